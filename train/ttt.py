@@ -1,0 +1,74 @@
+"""EAGLE-3 training-time test (TTT): unroll the head ``ttt_steps`` times as it runs at inference.
+
+Alignment (a_t = target aux states after reading x0..xt; the head's hidden at step i is h_i):
+
+    tokens         x0    x1    x2    x3    x4    x5
+    step 0 at t:   feature a_t,        token x_{t+1},   position t     -> predicts x_{t+2}
+    step i at t:   feature h_{i-1,t},  token x_{t+1+i}, position t + i -> predicts x_{t+2+i}
+    label (i, t):  softmax of the target's logits at position t+1+i, restricted to the draft vocab
+    valid (i, t):  t+1+i < T, token x_{t+2+i} is supervised (assistant), and the target's argmax at
+                   t+1+i lies in the draft vocab
+
+Step i attends to the step-0 keys of positions <= t plus its own chain keys of steps 1..i
+(``heads.eagle3.HeadKV``), which is exactly what the runtime does with a chain of k drafts. Loss:
+sum_i 0.8^i * mean_valid soft-CE(q_i, p_i) (EAGLE-3 paper; SpecForge ``core/eagle3.py``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.heads.eagle3 import Eagle3Head, HeadKV, soft_cross_entropy
+
+
+@dataclass
+class TTTOutput:
+    """loss (scalar, differentiable); per-step loss / accuracy / count as lists of floats/ints."""
+
+    loss: torch.Tensor
+    step_loss: list[float]
+    step_acc: list[float]
+    step_count: list[int]
+
+
+def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """x [B, T, ...] -> y with y[:, t] = x[:, t + n] (``fill`` past the end)."""
+    if n == 0:
+        return x
+    pad = torch.full_like(x[:, :n], fill)
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def ttt_loss(head: Eagle3Head, aux_hidden: torch.Tensor, input_ids: torch.Tensor, target_logits: torch.Tensor,
+             loss_mask: torch.Tensor, ttt_steps: int | None = None, step_decay: float = 0.8) -> TTTOutput:
+    """TTT loss for one batch.
+
+    aux_hidden [B, T, 3H], input_ids [B, T], target_logits [B, T, V], loss_mask [B, T] bool (token t is
+    supervised). Right padding is fine: padded tokens are unsupervised and only visible to later positions."""
+    steps = ttt_steps or head.config.ttt_steps
+    draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=input_ids.device))
+    target_argmax = target_logits.argmax(-1)                                          # [B, T]
+    target_probs = torch.softmax(target_logits[..., draft_ids].float(), dim=-1)       # [B, T, Vd]
+    in_draft = head.t2d[target_argmax]                                                # [B, T]
+    predicts_supervised = shift_left(loss_mask.bool(), 1, False)                       # token t+1 supervised
+    kv = HeadKV()
+    hidden = head.fuse(aux_hidden)                                                     # [B, T, H]
+    total = hidden.new_zeros((), dtype=torch.float32)
+    step_loss, step_acc, step_count = [], [], []
+    for i in range(steps):
+        tokens = shift_left(input_ids, 1 + i, 0)                                       # x_{t+1+i}
+        hidden, logits = head.step(hidden, tokens, kv, mode="prefix" if i == 0 else "chain")
+        p = shift_left(target_probs, 1 + i, 0.0)                                       # label at t+1+i
+        valid = shift_left(predicts_supervised & in_draft, 1 + i, False)
+        n = int(valid.sum())
+        ce = soft_cross_entropy(logits, p)                                             # [B, T]
+        loss_i = (ce * valid).sum() / max(n, 1)
+        total = total + (step_decay ** i) * loss_i
+        with torch.no_grad():
+            pred = head.draft_to_target(logits.argmax(-1))
+            hit = (pred == shift_left(target_argmax, 1 + i, -1)) & valid
+        step_loss.append(float(loss_i.detach()))
+        step_acc.append(float(hit.sum()) / max(n, 1))
+        step_count.append(n)
+    return TTTOutput(total, step_loss, step_acc, step_count)
