@@ -1,0 +1,285 @@
+"""Check an exported head against a target, and load it: the gate between a head directory and use.
+
+    report = check_head("runs/eagle3/head", target.config, tokenizer)       # `draftsmith check`
+    head, meta = load_eagle3("runs/eagle3/head", target_model=target, tokenizer=tokenizer)
+
+Both refuse (``HeadMismatchError``, a ValueError whose message names the field, both values and the
+fix) when:
+1. ``draftsmith.json`` has a ``format_version`` newer than this runtime, or an unknown aux-layer
+   convention;
+2. a weight file listed in the metadata is missing or its sha256 differs (corrupted / modified);
+3. a tensor is missing, unexpected or of the wrong shape for the head's geometry; the draft vocab
+   is reduced (Vd < V) but ``d2t`` is absent; ``d2t`` maps outside [0, V) or maps two draft ids to
+   one target id; ``t2d`` disagrees with ``d2t``;
+4. aux layer ids fall outside the target's layers [0, N-1] (HF hidden_states index);
+5. the target differs from the one recorded: model_type, architectures, hidden_size,
+   num_hidden_layers, vocab_size, architecture_sha256 (heads, rope, eps, ...), tokenizer_sha256.
+Step 5 fields can be overridden by name (``allow_mismatch=("tokenizer_sha256",)``, CLI
+``--allow-mismatch``); overrides are logged and listed in the report. A different revision or chat
+template only warns. Nothing in steps 1-4 can be overridden: such a head is broken, not foreign.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.export.identity import file_sha256, sha256_bytes, target_identity, tensor_sha256
+from draftsmith.export.metadata import (KNOWN_AUX_CONVENTIONS, HeadMetadata, HeadMismatchError, read_metadata)
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS_FILE = "model.safetensors"
+# Target-identity fields that refuse on mismatch and may be overridden by name.
+OVERRIDABLE_FIELDS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "vocab_size",
+                      "architecture_sha256", "tokenizer_sha256")
+# Fields that only warn when they differ.
+WARN_FIELDS = ("revision", "chat_template_sha256")
+
+__all__ = ["CheckReport", "HeadMismatchError", "check_head", "load_eagle3", "expected_weight_shapes",
+           "validate_vocab_map", "validate_aux_layer_ids", "OVERRIDABLE_FIELDS"]
+
+
+@dataclass
+class CheckReport:
+    """What ``check_head`` found; returned only when the head may be used."""
+    head_dir: Path
+    metadata: HeadMetadata
+    overridden: list[str] = field(default_factory=list)   # allow_mismatch fields that did differ
+    warnings: list[str] = field(default_factory=list)
+    checked_target: bool = True                            # False: integrity only (no target given)
+
+    def summary(self) -> str:
+        m = self.metadata
+        verdict = (f"fits target {m.target.get('name_or_path')}" if self.checked_target
+                   else "is intact (no target given)")
+        lines = [f"OK: {self.head_dir} ({m.head_type}, draft vocab {m.draft_vocab_size}, aux layers "
+                 f"{m.aux_layer_ids} [{m.aux_layer_convention}]) {verdict}"]
+        lines += [f"  overridden: {name}" for name in self.overridden]
+        lines += [f"  warning: {w}" for w in self.warnings]
+        return "\n".join(lines)
+
+
+def expected_weight_shapes(head_config: dict) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of an exported EAGLE-3 head (names of DESIGN §6; d2t/t2d only if Vd < V)."""
+    c = head_config
+    h, i, hd = c["hidden_size"], c["intermediate_size"], c["head_dim"]
+    q, kv = c["num_attention_heads"] * hd, c["num_key_value_heads"] * hd
+    shapes = {
+        "fc.weight": (h, 3 * h),
+        "midlayer.input_layernorm.weight": (h,),
+        "midlayer.hidden_norm.weight": (h,),
+        "midlayer.self_attn.q_proj.weight": (q, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q),
+        "midlayer.post_attention_layernorm.weight": (h,),
+        "midlayer.mlp.gate_proj.weight": (i, h),
+        "midlayer.mlp.up_proj.weight": (i, h),
+        "midlayer.mlp.down_proj.weight": (h, i),
+        "norm.weight": (h,),
+        "lm_head.weight": (c["draft_vocab_size"], h),
+    }
+    if c["draft_vocab_size"] != c["vocab_size"]:
+        shapes["d2t"] = (c["draft_vocab_size"],)
+        shapes["t2d"] = (c["vocab_size"],)
+    return shapes
+
+
+def validate_state_dict(sd: dict[str, torch.Tensor], head_config: dict, where: str) -> None:
+    """Names and shapes against the geometry, then the vocab map (raises HeadMismatchError)."""
+    expected = expected_weight_shapes(head_config)
+    vd, v = head_config["draft_vocab_size"], head_config["vocab_size"]
+    if vd < v and "d2t" not in sd:
+        raise HeadMismatchError("d2t", f"{where}: draft_vocab_size {vd} < target vocab_size {v} but no d2t "
+                                f"tensor: draft ids cannot be mapped to target ids. Fix: re-export the head "
+                                f"with its vocab map (d2t/t2d from training).")
+    missing = sorted(set(expected) - set(sd))
+    if missing:
+        raise HeadMismatchError("weights", f"{where}: weights: missing tensor(s) {', '.join(missing)}. "
+                                f"Fix: re-export the head; the file is incomplete.")
+    unexpected = sorted(set(sd) - set(expected))
+    if unexpected:
+        raise HeadMismatchError("weights", f"{where}: weights: unexpected tensor(s) {', '.join(unexpected)} for "
+                                f"an EAGLE-3 head (no biases, no embedding, no model. prefix). Fix: re-export "
+                                f"with draftsmith.")
+    for name, shape in expected.items():
+        if tuple(sd[name].shape) != shape:
+            raise HeadMismatchError("weights", f"{where}: weights: {name} has shape {tuple(sd[name].shape)}, the "
+                                    f"head's geometry needs {shape}. Fix: re-export the head; config and weights "
+                                    f"disagree.")
+    validate_vocab_map(sd.get("d2t"), sd.get("t2d"), vd, v, where)
+
+
+def validate_vocab_map(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft_vocab_size: int,
+                       vocab_size: int, where: str = "head") -> None:
+    """d2t [Vd] int64 offsets (target_id = draft_id + d2t[draft_id]) into [0, V), no two draft ids on
+    one target id, and t2d [V] bool marking exactly those target ids (``heads.vocab``)."""
+    from draftsmith.heads.vocab import validate_vocab_map as validate_map
+
+    if draft_vocab_size > vocab_size:
+        raise HeadMismatchError("draft_vocab_size", f"{where}: draft_vocab_size {draft_vocab_size} > target "
+                                f"vocab_size {vocab_size}. Fix: the draft vocab must be a subset of the target's.")
+    if draft_vocab_size == vocab_size and d2t is None:
+        return
+    if d2t is None or t2d is None:
+        name = "d2t" if d2t is None else "t2d"
+        raise HeadMismatchError(name, f"{where}: draft_vocab_size {draft_vocab_size} < vocab_size {vocab_size} "
+                                f"and no {name}. Fix: re-export the head with its vocab map (d2t/t2d).")
+    if d2t.dtype != torch.int64 or tuple(d2t.shape) != (draft_vocab_size,):
+        raise HeadMismatchError("d2t", f"{where}: d2t must be int64 of shape ({draft_vocab_size},), got "
+                                f"{d2t.dtype} {tuple(d2t.shape)}. Fix: re-export the head's vocab map.")
+    if t2d.dtype != torch.bool or tuple(t2d.shape) != (vocab_size,):
+        raise HeadMismatchError("t2d", f"{where}: t2d must be bool of shape ({vocab_size},), got "
+                                f"{t2d.dtype} {tuple(t2d.shape)}. Fix: re-export the head's vocab map.")
+    try:
+        validate_map(d2t, t2d)
+    except ValueError as e:
+        name = "t2d" if str(e).startswith("t2d") else "d2t"
+        raise HeadMismatchError(name, f"{where}: {e} (field {name}). Fix: rebuild the vocab map for this "
+                                f"target and re-export.") from None
+
+
+def validate_aux_layer_ids(aux_layer_ids, convention: str, num_hidden_layers: int | None,
+                           where: str = "head") -> None:
+    """Known convention; ids in the target's range [0, N-1] of HF hidden_states indices."""
+    if convention not in KNOWN_AUX_CONVENTIONS:
+        raise HeadMismatchError("aux_layer_convention", f"{where}: aux_layer_convention {convention!r} is not "
+                                f"one of {KNOWN_AUX_CONVENTIONS}. Fix: upgrade draftsmith or re-export the head.")
+    if num_hidden_layers is None:
+        return
+    bad = [i for i in aux_layer_ids if not 0 <= int(i) < num_hidden_layers]
+    if bad:
+        raise HeadMismatchError("aux_layer_ids", f"{where}: aux_layer_ids {list(aux_layer_ids)} ({convention}) "
+                                f"include {bad}, outside the target's layers [0, {num_hidden_layers - 1}]. Fix: use "
+                                f"the target this head was trained for, or retrain with ids in range.")
+
+
+def _compare_target(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...], where: str
+                    ) -> tuple[list[str], list[str]]:
+    """Refusals (collected, raised together), overrides and warnings for the identity fields."""
+    problems, overridden, warnings = [], [], []
+    name = recorded.get("name_or_path")
+    for key in OVERRIDABLE_FIELDS:
+        want, got = recorded.get(key), actual.get(key)
+        if key == "architectures" and (not want or not got):
+            continue  # a config built in memory may not name its class
+        if key == "tokenizer_sha256":
+            if want is None or got is None:
+                msg = ("the head records no tokenizer hash" if want is None
+                       else "no tokenizer given") + "; tokenizer_sha256 not checked"
+                warnings.append(msg)
+                continue
+        if want == got:
+            continue
+        if key in allow_mismatch:
+            overridden.append(key)
+            logger.warning("%s: overriding %s mismatch (head %r, target %r) as asked", where, key, want, got)
+            continue
+        detail = ""
+        if key == "architecture_sha256":
+            a, b = recorded.get("architecture") or {}, actual.get("architecture") or {}
+            diff = [f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            detail = f" (differing fields: {'; '.join(diff)})" if diff else ""
+        fix = (f"load the tokenizer of {name!r}" if key == "tokenizer_sha256"
+               else f"use the target this head was trained for ({name!r}) or train a head for this one")
+        problems.append(f"{key}: head was trained for {want!r}, target has {got!r}{detail}. Fix: {fix}; or pass "
+                        f"allow_mismatch=({key!r},) (CLI --allow-mismatch {key}) if you know they are compatible.")
+    for key in WARN_FIELDS:
+        want, got = recorded.get(key), actual.get(key)
+        if want is not None and got is not None and want != got:
+            warnings.append(f"{key} differs: head trained with {want!r}, target has {got!r}")
+    for w in warnings:
+        logger.warning("%s: %s", where, w)
+    if problems:
+        first = problems[0].split(":", 1)[0]
+        raise HeadMismatchError(first, f"{where} does not fit the target:\n  - " + "\n  - ".join(problems))
+    return overridden, warnings
+
+
+def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_path: str | None,
+           allow_mismatch) -> tuple[CheckReport, dict[str, torch.Tensor]]:
+    """All checks of the module docstring; returns the report and the verified state dict."""
+    from safetensors.torch import load as load_safetensors
+
+    head_dir = Path(head_dir)
+    allow_mismatch = tuple(allow_mismatch)
+    unknown = sorted(set(allow_mismatch) - set(OVERRIDABLE_FIELDS))
+    if unknown:
+        raise ValueError(f"allow_mismatch: unknown field(s) {unknown}; fields that can be overridden: "
+                         f"{', '.join(OVERRIDABLE_FIELDS)}")
+    meta = read_metadata(head_dir)
+    where = str(head_dir)
+    # 2. weight files: present, sha256 as recorded (the main file is read once, hashed, then parsed)
+    if WEIGHTS_FILE not in meta.weights:
+        raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no {WEIGHTS_FILE}. "
+                                f"Fix: re-export.")
+    data = b""
+    for rel, want in sorted(meta.weights.items()):
+        path = head_dir / rel
+        if not path.is_file():
+            raise HeadMismatchError("weights", f"{where}: weights: file {rel} is missing. Fix: re-export or "
+                                    f"re-download the head directory.")
+        if rel == WEIGHTS_FILE:
+            data = path.read_bytes()
+            got = sha256_bytes(data)
+        else:
+            got = file_sha256(path)
+        if got != want:
+            raise HeadMismatchError("weights", f"{where}: weights: sha256 of {rel} is {got}, draftsmith.json "
+                                    f"records {want}: the file is corrupted or was modified after export. "
+                                    f"Fix: re-export or re-download the head.")
+    try:
+        sd = load_safetensors(data)
+    except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
+        raise HeadMismatchError("weights", f"{where}: weights: {WEIGHTS_FILE} cannot be read ({e}). "
+                                f"Fix: re-export.") from e
+    # 3. tensors against the geometry; d2t against its recorded hash
+    validate_state_dict(sd, meta.head_config, where)
+    got_d2t = tensor_sha256(sd["d2t"]) if "d2t" in sd else None
+    if got_d2t != meta.d2t_sha256:
+        raise HeadMismatchError("d2t_sha256", f"{where}: d2t_sha256: the d2t tensor hashes to {got_d2t}, "
+                                f"draftsmith.json records {meta.d2t_sha256}. Fix: re-export the head.")
+    if list(meta.aux_layer_ids) != list(meta.head_config.get("aux_layer_ids", meta.aux_layer_ids)):
+        raise HeadMismatchError("aux_layer_ids", f"{where}: aux_layer_ids {meta.aux_layer_ids} disagree with "
+                                f"head_config {meta.head_config.get('aux_layer_ids')}. Fix: re-export the head.")
+    # 4. aux layers; 5. target identity
+    overridden, warnings = [], []
+    actual = target_identity(target_config, tokenizer, name_or_path) if target_config is not None else None
+    validate_aux_layer_ids(meta.aux_layer_ids, meta.aux_layer_convention,
+                           actual["num_hidden_layers"] if actual else None, where)
+    if actual is None:
+        warnings.append("no target given: only the head's own integrity was checked")
+        logger.warning("%s: %s", where, warnings[-1])
+    else:
+        if name_or_path and name_or_path != meta.target.get("name_or_path"):
+            logger.info("%s: trained on %r, checked against %r", where, meta.target.get("name_or_path"), name_or_path)
+        overridden, warnings = _compare_target(meta.target, actual, allow_mismatch, where)
+    return CheckReport(head_dir, meta, overridden, warnings, checked_target=actual is not None), sd
+
+
+def check_head(head_dir: str | Path, target_config: Any, tokenizer: Any = None, name_or_path: str | None = None,
+               allow_mismatch=()) -> CheckReport:
+    """Run every check of the module docstring against ``target_config`` (a model, config or dict;
+    None checks the head's integrity only). Raises HeadMismatchError on refusal."""
+    report, _ = _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch)
+    return report
+
+
+def load_eagle3(head_dir: str | Path, target_model: Any = None, tokenizer: Any = None, allow_mismatch=()):
+    """Check (as ``check_head``) then build the head: returns ``(Eagle3Head, HeadMetadata)``.
+
+    The weights are hashed and parsed from the same bytes, so what was verified is what is loaded."""
+    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+
+    report, sd = _check(head_dir, target_model, tokenizer, None, allow_mismatch)
+    meta = report.metadata
+    if meta.head_type != "eagle3":
+        raise HeadMismatchError("head_type", f"{head_dir}: head_type is {meta.head_type!r}, not 'eagle3'. Fix: "
+                                f"load it with the loader for its type.")
+    head = Eagle3Head(Eagle3Config.from_dict(meta.head_config)).to(sd["fc.weight"].dtype)  # the exported dtype
+    head.load_export_state_dict(sd)
+    return head.eval(), meta
