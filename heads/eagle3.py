@@ -264,11 +264,13 @@ class Eagle3Head(nn.Module):
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
     def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, kv: HeadKV, mode: str,
-             position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             position_ids: torch.Tensor | None = None, with_logits: bool = True
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft step. hidden [B, T, H] (g at step 0, previous hidden after), input_ids [B, T].
 
         position_ids [B, T] default to the queries' root indices plus the chain depth after the call.
-        Returns (hidden_out [B, T, H] pre-norm, logits [B, T, Vd] over the draft vocab)."""
+        Returns (hidden_out [B, T, H] pre-norm, logits [B, T, Vd] over the draft vocab, or None when
+        ``with_logits`` is False: the trainer then calls :meth:`logits` on the positions it scores)."""
         b, t, _ = hidden.shape
         if position_ids is None:
             after = kv.length + t if mode == "prefix" else kv.length
@@ -276,7 +278,11 @@ class Eagle3Head(nn.Module):
             position_ids = torch.arange(after - t, after, device=hidden.device)[None].expand(b, t) + depth
         cos, sin = self.rotary(hidden, position_ids)
         out = self.midlayer(self.embed(input_ids), hidden, cos, sin, kv, mode)
-        return out, self.lm_head(self.norm(out))
+        return out, self.logits(out) if with_logits else None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits of head hiddens: [..., H] -> [..., Vd]."""
+        return self.lm_head(self.norm(hidden))
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids: ``draft_ids + d2t[draft_ids]``."""

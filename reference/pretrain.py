@@ -229,12 +229,29 @@ def _cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
+def export_checkpoint(cfg: PretrainConfig, out: Path) -> None:
+    """Write the latest checkpoint of a (possibly still running) pretraining as a model directory."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
+    model = build_model(cfg, tokenizer)
+    state = load_checkpoint(cfg.out_dir / "checkpoint", model)
+    export_model(model, tokenizer, out)
+    print(f"exported step {state['step']} to {out}")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. steps=100")
+    p.add_argument("--export-checkpoint", type=Path, default=None,
+                   help="only write the latest checkpoint as a model directory at this path")
     a = p.parse_args(argv)
-    print(json.dumps(pretrain(load_config(PretrainConfig, a.config, a.overrides))))
+    cfg = load_config(PretrainConfig, a.config, a.overrides)
+    if a.export_checkpoint:
+        export_checkpoint(cfg, a.export_checkpoint)
+    else:
+        print(json.dumps(pretrain(cfg)))
 
 
 if __name__ == "__main__":

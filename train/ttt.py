@@ -58,17 +58,17 @@ def ttt_loss(head: Eagle3Head, aux_hidden: torch.Tensor, input_ids: torch.Tensor
     step_loss, step_acc, step_count = [], [], []
     for i in range(steps):
         tokens = shift_left(input_ids, 1 + i, 0)                                       # x_{t+1+i}
-        hidden, logits = head.step(hidden, tokens, kv, mode="prefix" if i == 0 else "chain")
-        p = shift_left(target_probs, 1 + i, 0.0)                                       # label at t+1+i
-        valid = shift_left(predicts_supervised & in_draft, 1 + i, False)
+        hidden, _ = head.step(hidden, tokens, kv, mode="prefix" if i == 0 else "chain", with_logits=False)
+        valid = shift_left(predicts_supervised & in_draft, 1 + i, False)               # [B, T]
         n = int(valid.sum())
-        ce = soft_cross_entropy(logits, p)                                             # [B, T]
-        loss_i = (ce * valid).sum() / max(n, 1)
+        logits = head.logits(hidden[valid])                                            # [n, Vd], scored rows only
+        p = shift_left(target_probs, 1 + i, 0.0)[valid]                                # label at t+1+i, [n, Vd]
+        loss_i = soft_cross_entropy(logits, p).sum() / max(n, 1)
         total = total + (step_decay ** i) * loss_i
         with torch.no_grad():
             pred = head.draft_to_target(logits.argmax(-1))
-            hit = (pred == shift_left(target_argmax, 1 + i, -1)) & valid
+            hits = int((pred == shift_left(target_argmax, 1 + i, -1)[valid]).sum())
         step_loss.append(float(loss_i.detach()))
-        step_acc.append(float(hit.sum()) / max(n, 1))
+        step_acc.append(hits / max(n, 1))
         step_count.append(n)
     return TTTOutput(total, step_loss, step_acc, step_count)

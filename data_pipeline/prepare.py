@@ -1,0 +1,111 @@
+"""``draftsmith prepare``: conversations -> (regenerated) training conversations + draft vocab map.
+
+Steps:
+  1. load and normalise conversations (``dataset.load_conversations``);
+  2. optionally regenerate every assistant turn with the target (``regenerate.regenerate``);
+  3. render with the target's chat template and assistant-only mask; refuse implausible masks;
+  4. count supervised tokens -> top-Vd draft vocabulary (d2t/t2d), EOS always included;
+  5. write ``conversations.jsonl``, ``vocab_map.safetensors`` and ``manifest.json`` (config, counts,
+     sha256 of every file, the target's identity) into the output folder, each atomically.
+A folder whose manifest was written by the same config is reused as is.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+from draftsmith.config import to_dict
+from draftsmith.data_pipeline.dataset import load_conversations, render_dataset
+from draftsmith.data_pipeline.regenerate import regenerate
+from draftsmith.heads.vocab import VocabMap, build_vocab_map, count_tokens
+
+
+@dataclass
+class DataConfig:
+    """Where the head's training conversations come from and how they are turned into tokens."""
+
+    source: str = "reference:train"        #: .jsonl/.json file of conversations, or reference:train
+    num_conversations: int | None = 512    #: after shuffling; None = all
+    regenerate: bool = True                #: replace assistant turns by the target's own answers
+    max_new_tokens: int = 192              #: per regenerated answer
+    temperature: float = 0.0               #: 0 = greedy regeneration
+    batch_size: int = 16                   #: regeneration batch
+    max_length: int = 768                  #: tokens per rendered conversation (truncated)
+    draft_vocab_size: int | None = 4096    #: Vd; None = the whole target vocab (no d2t/t2d)
+    heldout_conversations: int = 32        #: kept apart for in-loop acceptance
+    seed: int = 0
+
+
+@dataclass
+class PreparedData:
+    """A prepared data folder: conversations (train / held-out split) and the vocab map."""
+
+    folder: Path
+    conversations: list[dict]
+    heldout: list[dict]
+    vocab_map: VocabMap
+    manifest: dict
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, revision: str | None = None) -> PreparedData:
+    """Run the steps of the module docstring into folder ``out`` (or reuse it); returns the data."""
+    out.mkdir(parents=True, exist_ok=True)
+    key = json.dumps({"data": to_dict(cfg), "target": target_name, "revision": revision}, sort_keys=True)
+    manifest_path = out / "manifest.json"
+    if manifest_path.exists() and json.loads(manifest_path.read_text()).get("key") == key:
+        return load_prepared(out)
+    n = (cfg.num_conversations or 0) + cfg.heldout_conversations if cfg.num_conversations else None
+    convs = load_conversations(cfg.source, limit=n, seed=cfg.seed)
+    if cfg.regenerate:
+        convs = regenerate(target, tokenizer, convs, target_name, revision, cfg.max_new_tokens, cfg.temperature,
+                           cfg.batch_size, cfg.seed)
+    heldout, train = convs[: cfg.heldout_conversations], convs[cfg.heldout_conversations:]
+    rendered = render_dataset(tokenizer, train, cfg.max_length)
+    vocab_size = len(tokenizer)
+    counts = count_tokens(rendered.input_ids, rendered.loss_mask, vocab_size)
+    vd = cfg.draft_vocab_size or vocab_size
+    always = [i for i in {tokenizer.eos_token_id, tokenizer.pad_token_id} if i is not None]
+    vmap = build_vocab_map(counts, min(vd, vocab_size), always_include=always)
+    for name, records in (("conversations.jsonl", train), ("heldout.jsonl", heldout)):
+        _write_atomic(out / name, "".join(json.dumps(r) + "\n" for r in records))
+    tmp = out / "vocab_map.safetensors.tmp"
+    save_file(vmap.to_tensors(), str(tmp))
+    tmp.replace(out / "vocab_map.safetensors")
+    seen = int((counts > 0).sum())
+    covered = float(counts[vmap.t2d].sum()) / max(1.0, float(counts.sum()))
+    manifest = {
+        "key": key, "config": to_dict(cfg), "target": {"name_or_path": target_name, "revision": revision},
+        "conversations": len(train), "heldout_conversations": len(heldout),
+        "tokens": rendered.num_tokens(), "supervised_tokens": int(counts.sum()),
+        "supervised_fraction": rendered.supervised_fraction(), "distinct_supervised_tokens": seen,
+        "draft_vocab_size": vmap.draft_vocab_size, "draft_vocab_coverage": covered, "d2t_sha256": vmap.sha256(),
+        "unfinished_answers": sum(bool((c.get("provenance") or {}).get("unfinished")) for c in train),
+        "files": {p: _sha256(out / p) for p in ("conversations.jsonl", "heldout.jsonl", "vocab_map.safetensors")},
+    }
+    _write_atomic(manifest_path, json.dumps(manifest, indent=1))
+    return PreparedData(out, train, heldout, vmap, manifest)
+
+
+def load_prepared(folder: Path) -> PreparedData:
+    """Read a folder written by :func:`prepare`; raises ValueError if a file's sha256 changed."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name, digest in manifest["files"].items():
+        if _sha256(folder / name) != digest:
+            raise ValueError(f"{folder / name} changed since it was prepared (sha256 mismatch); run prepare again")
+    read = lambda name: [json.loads(l) for l in (folder / name).open()]  # noqa: E731
+    vmap = VocabMap.from_tensors(load_file(str(folder / "vocab_map.safetensors")))
+    return PreparedData(folder, read("conversations.jsonl"), read("heldout.jsonl"), vmap, manifest)
