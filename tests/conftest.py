@@ -23,7 +23,7 @@ def make_tiny_llama(vocab_size: int = 96, hidden_size: int = 32, num_hidden_laye
     return model_cls(config).eval()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_llama():
     """Factory fixture: ``tiny_llama(seed=1, vocab_size=64)``."""
     return make_tiny_llama

@@ -1,0 +1,99 @@
+"""The target model as the runtime sees it: one forward over new tokens of one sequence, with a KV cache.
+
+``TargetModel`` wraps any transformers causal LM (Llama, Qwen2/3, Mistral, ...). The runtime's unit is
+ONE sequence (batch size 1): tensors here are 1-D token ids ``[T_new]`` and 2-D outputs ``[T_new, ·]``.
+Positions are taken from the cache length, so a forward after ``cache.crop(L)`` continues at position L.
+
+``aux_hidden`` follows the design (DESIGN.md §3) and ``data_pipeline/capture.py``: the concatenation
+low→mid→high of ``outputs.hidden_states[i]`` for i in ``aux_layer_ids``, in transformers'
+``output_hidden_states`` index convention, where ``hidden_states[i]`` is the INPUT of decoder layer i
+(the convention of vLLM's ``llama_eagle3.py``). Index N (N = number of layers) is the final *normed*
+output in transformers, so valid ids are 0..N-1.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from .cache import KVCache
+
+
+@dataclass
+class TargetStep:
+    """What one target forward over ``T_new`` tokens returns.
+
+    Attributes:
+        logits: ``[T_new, V]`` float32; row t is the next-token logits after reading token t.
+        aux_hidden: ``[T_new, len(aux_layer_ids) * H]`` (``[T_new, 3H]`` for EAGLE-3) in the model's
+            dtype, low→mid→high; ``None`` when the target was built without ``aux_layer_ids``.
+    """
+
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor | None = None
+
+
+class TargetModel:
+    """A transformers causal LM + (optional) tokenizer + the aux layers an EAGLE-3 proposer reads.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` in eval mode (it is not copied or modified).
+        tokenizer: kept for callers (stop strings, chat templates); unused by ``forward``.
+        aux_layer_ids: HF ``output_hidden_states`` indices, low→high, each in 0..N-1; ``None`` skips
+            hidden-state output (cheaper) and makes ``TargetStep.aux_hidden`` None.
+
+    Raises:
+        ValueError: an aux layer id is outside 0..N-1 or repeated.
+    """
+
+    def __init__(self, model, tokenizer=None, aux_layer_ids: Sequence[int] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config()
+        n = int(self.config.num_hidden_layers)
+        if aux_layer_ids is not None:
+            ids = tuple(int(i) for i in aux_layer_ids)
+            if not ids or len(set(ids)) != len(ids) or not all(0 <= i < n for i in ids):
+                raise ValueError(f"aux_layer_ids {ids} must be distinct HF hidden-state indices in 0..{n - 1} "
+                                 f"(inputs of decoder layers; index {n} is the final normed output) "
+                                 f"for this {n}-layer target")
+            aux_layer_ids = ids
+        self.aux_layer_ids: tuple[int, ...] | None = aux_layer_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """V: rows of the output embedding (the logits' last dimension)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the model's parameters; inputs are moved there."""
+        return next(self.model.parameters()).device
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for one sequence of this model."""
+        return KVCache(self.model.config)
+
+    @torch.no_grad()   # not inference_mode: an EAGLE head may reuse aux_hidden in autograd-aware code
+    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> TargetStep:
+        """Read ``input_ids`` ``[T_new]`` (int64) at positions ``cache.length ..`` and extend ``cache``.
+
+        Returns:
+            ``TargetStep`` with logits ``[T_new, V]`` float32 and aux_hidden ``[T_new, 3H]`` or None.
+
+        Raises:
+            ValueError: ``input_ids`` is not a non-empty 1-D tensor (the runtime decodes one sequence).
+        """
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D tensor [T_new], got shape {tuple(input_ids.shape)}")
+        device = self.device
+        start = cache.length
+        positions = torch.arange(start, start + input_ids.numel(), device=device)
+        out = self.model(input_ids=input_ids.to(device)[None], position_ids=positions[None],
+                         output_hidden_states=self.aux_layer_ids is not None, **cache.model_kwargs())
+        aux = None
+        if self.aux_layer_ids is not None:
+            aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)   # [T_new, 3H]
+        return TargetStep(logits=out.logits[0].float(), aux_hidden=aux)
