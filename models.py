@@ -5,9 +5,20 @@ loads from the Hub (or a local folder) through transformers, like vLLM's ``--mod
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from draftsmith import reference
+
+@dataclass
+class TargetConfig:
+    """The target model: a Hub id, a local folder, or ``reference`` (the embedded default)."""
+
+    name_or_path: str = "reference"
+    revision: str | None = None
+    dtype: str = "float32"       #: float32 | bfloat16 | float16; capture and serving must use the same
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

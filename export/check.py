@@ -272,6 +272,7 @@ def check_head(head_dir: str | Path, target_config: Any, tokenizer: Any = None, 
 def load_eagle3(head_dir: str | Path, target_model: Any = None, tokenizer: Any = None, allow_mismatch=()):
     """Check (as ``check_head``) then build the head: returns ``(Eagle3Head, HeadMetadata)``.
 
+    With a ``target_model`` the head is bound to its input embedding, ready to draft.
     The weights are hashed and parsed from the same bytes, so what was verified is what is loaded."""
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 
@@ -282,4 +283,6 @@ def load_eagle3(head_dir: str | Path, target_model: Any = None, tokenizer: Any =
                                 f"load it with the loader for its type.")
     head = Eagle3Head(Eagle3Config.from_dict(meta.head_config)).to(sd["fc.weight"].dtype)  # the exported dtype
     head.load_export_state_dict(sd)
+    if target_model is not None and hasattr(target_model, "get_input_embeddings"):
+        head.bind_embedding(target_model.get_input_embeddings())   # the target's, frozen, never exported
     return head.eval(), meta

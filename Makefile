@@ -1,0 +1,37 @@
+# draftsmith: `make demo` runs the main job on the reference target; `make test` runs the test suite.
+# Both create .venv when absent and install the project into it. On a machine without CUDA torch is
+# pinned to the CPU build torch==2.13.0 (set TORCH_INDEX=https://download.pytorch.org/whl/cpu where
+# the default index would hand out a CUDA build).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.draftsmith-installed
+TORCH_INDEX ?=
+PYTEST_ARGS ?=
+
+.PHONY: demo test test-fast install clean-runs
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then \
+		$(PY) -m pip install -q torch; \
+	else \
+		$(PY) -m pip install -q "torch==2.13.0" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
+	fi
+	$(PY) -m pip install -q -e ".[serve,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/draftsmith demo
+
+test: $(STAMP)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+clean-runs:
+	rm -rf runs

@@ -1,0 +1,183 @@
+"""``draftsmith <verb>``: the command line over the pipeline stages.
+
+    draftsmith demo                                   # the main job on the reference target
+    draftsmith prepare RECIPE [key=value ...]         # conversations + vocab map -> runs/NAME/data
+    draftsmith train RECIPE [key=value ...]           # prepare, train, export -> runs/NAME/head
+    draftsmith export RUN_DIR --out DIR [--format draftsmith speculators]
+    draftsmith check HEAD --target T [--allow-mismatch FIELD ...]
+    draftsmith eval --head HEAD [--target T] [--methods ...] [--k 5] [--tasks ...]
+    draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
+
+RECIPE defaults to the packaged ``recipes/reference/eagle3.yaml``; overrides are dotted
+(``train.lr=1e-4``). Every recipe file starts with its exact launch command.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_RECIPE = PACKAGE_DIR / "recipes" / "reference" / "eagle3.yaml"
+
+
+def _recipe(args):
+    from draftsmith.config import load_config
+    from draftsmith.pipeline import Recipe
+
+    return load_config(Recipe, args.recipe or DEFAULT_RECIPE, args.overrides)
+
+
+def cmd_demo(args) -> int:
+    from draftsmith.pipeline import demo
+
+    demo(_recipe(args))
+    return 0
+
+
+def cmd_prepare(args) -> int:
+    from draftsmith.pipeline import run_prepare
+
+    data = run_prepare(_recipe(args))
+    print(json.dumps({k: v for k, v in data.manifest.items() if k not in ("key", "files")}, indent=1))
+    return 0
+
+
+def cmd_train(args) -> int:
+    from draftsmith.pipeline import run_train
+
+    print(f"head exported to {run_train(_recipe(args))}")
+    return 0
+
+
+def cmd_export(args) -> int:
+    from draftsmith.pipeline import export_run
+
+    print(f"head exported to {export_run(Path(args.run_dir), Path(args.out), args.format)}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from draftsmith.export.check import check_head
+    from draftsmith.models import load_causal_lm
+
+    target, tokenizer = load_causal_lm(args.target, args.revision)
+    report = check_head(args.head, target.config, tokenizer, args.target, allow_mismatch=tuple(args.allow_mismatch))
+    print(report.summary())
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from draftsmith.pipeline import run_eval
+    from draftsmith.inference.eval import format_table
+
+    recipe = _recipe(args)
+    recipe.target.name_or_path = args.target or recipe.target.name_or_path
+    for name in ("methods", "tasks"):
+        if getattr(args, name):
+            setattr(recipe.eval, name, getattr(args, name))
+    recipe.eval.k = args.k if args.k is not None else recipe.eval.k
+    recipe.eval.prompts_per_task = args.prompts_per_task
+    recipe.eval.max_new_tokens = args.max_new_tokens or recipe.eval.max_new_tokens
+    report = run_eval(recipe, Path(args.head) if args.head else None)
+    print(format_table(report))
+    print(f"report: {recipe.run_dir / 'eval' / 'report.json'}")
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from draftsmith.data_pipeline.chat import prompt_ids
+    from draftsmith.inference.eval import EvalConfig
+    from draftsmith.inference.generate import GenerationConfig, generate_plain, generate_speculative
+    from draftsmith.inference.target import TargetModel
+    from draftsmith.models import load_causal_lm
+    from draftsmith.pipeline import build_proposers
+
+    target, tokenizer = load_causal_lm(args.target)
+    ids = prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    gen = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                           eos_token_ids=[tokenizer.eos_token_id])
+    if args.speculative_config:
+        spec = json.loads(args.speculative_config)
+        method = spec.get("method")
+        cfg = EvalConfig(prompt_lookup_min=spec.get("prompt_lookup_min", 2),
+                         prompt_lookup_max=spec.get("prompt_lookup_max", 5),
+                         draft_model=spec.get("model", "reference-draft"))
+        head = Path(spec["model"]) if method == "eagle3" else None
+        factories, aux = build_proposers([method], cfg, target, tokenizer, head)
+        out = generate_speculative(TargetModel(target, tokenizer, aux), factories[method](), ids, gen,
+                                   spec.get("num_speculative_tokens", 5))
+        stats = out.stats
+        print(tokenizer.decode(out.tokens, skip_special_tokens=True))
+        print(f"\n[{method}] τ={stats.acceptance_length:.2f} acceptance={stats.acceptance_rate:.1%} "
+              f"target forwards={out.num_target_forwards} tokens={len(out.tokens)}", file=sys.stderr)
+    else:
+        out = generate_plain(TargetModel(target, tokenizer), ids, gen)
+        print(tokenizer.decode(out.tokens, skip_special_tokens=True))
+    return 0
+
+
+def _add_recipe(p) -> None:
+    p.add_argument("recipe", nargs="?", default=None, help=f"YAML recipe (default: {DEFAULT_RECIPE.name})")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    for name, fn, help_ in (("demo", cmd_demo, "run the main job end to end"),
+                            ("prepare", cmd_prepare, "build training conversations and the vocab map"),
+                            ("train", cmd_train, "prepare, train and export an EAGLE-3 head")):
+        p = sub.add_parser(name, help=help_)
+        _add_recipe(p)
+        p.set_defaults(fn=fn)
+    p = sub.add_parser("export", help="export a trained run's checkpoint as a head directory")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True)
+    p.add_argument("--format", nargs="+", default=["draftsmith"], choices=["draftsmith", "speculators"])
+    p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("check", help="check a head against a target; exit 1 on mismatch")
+    p.add_argument("head")
+    p.add_argument("--target", default="reference")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("eval", help="acceptance of each method on the held-out tasks")
+    p.add_argument("--recipe", default=None)
+    p.add_argument("--head", default=None, help="exported head directory (for method eagle3)")
+    p.add_argument("--target", default=None)
+    p.add_argument("--methods", nargs="+", default=None)
+    p.add_argument("--tasks", nargs="+", default=None)
+    p.add_argument("--k", type=int, default=None)
+    p.add_argument("--prompts-per-task", type=int, default=None, help="default: the whole task")
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.set_defaults(fn=cmd_eval, overrides=[])
+    p = sub.add_parser("generate", help="decode one prompt, with or without speculation")
+    p.add_argument("--target", default="reference")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--speculative-config", default=None, help='JSON, as vLLM: {"method": "ngram", ...}')
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(fn=cmd_generate)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from draftsmith.config import ConfigError
+    from draftsmith.export.metadata import HeadMismatchError
+
+    try:
+        return args.fn(args)
+    except (ConfigError, HeadMismatchError, FileNotFoundError, ValueError) as e:
+        print(f"draftsmith {args.verb}: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Acceptance evaluation on held-out tasks: every drafter against plain decoding, in one run.
+
+For each task and prompt, plain greedy decoding runs first, then each method on the same prompt
+(interleaved, so machine noise hits all of them alike). Per task x method it reports:
+  acceptance rate  = accepted draft tokens / draft tokens
+  τ                = 1 + accepted / drafts (mean acceptance length, tokens per verify step)
+  accepted per position i = drafts whose i-th token was accepted / drafts
+  tokens/s, and speedup = plain decode seconds / method seconds (same prompts, same run)
+With temperature 0 every method must reproduce the plain output token for token; a mismatch is
+counted and reported (it would be a bug). Metric definitions follow vLLM's spec-decode metrics.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.data_pipeline.chat import prompt_ids
+
+from .generate import GenerationConfig, SpecStats, generate_plain, generate_speculative
+from .proposers.base import Proposer
+from .target import TargetModel
+
+
+@dataclass
+class EvalConfig:
+    """What ``draftsmith eval`` measures."""
+
+    tasks: list[str] = field(default_factory=lambda: ["code-complete", "code-foreign", "code-edit", "docstring"])
+    methods: list[str] = field(default_factory=lambda: ["eagle3", "ngram", "draft_model"])
+    k: int = 5                              #: num_speculative_tokens
+    prompts_per_task: int | None = None     #: None = the whole task
+    max_new_tokens: int = 128
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    draft_model: str = "reference-draft"    #: for method draft_model
+    threads: int | None = 2                 #: torch CPU threads while timing
+
+
+@dataclass
+class MethodResult:
+    """Totals of one method on one task."""
+
+    stats: SpecStats
+    seconds: float = 0.0
+    new_tokens: int = 0
+    mismatches: int = 0
+
+    def row(self, plain_seconds: float) -> dict:
+        s = self.stats
+        drafts = max(1, s.num_drafts)
+        return {"tau": s.acceptance_length, "acceptance_rate": s.acceptance_rate,
+                "accepted_per_pos": [a / drafts for a in s.accepted_per_pos],
+                "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens, "new_tokens": self.new_tokens,
+                "seconds": self.seconds, "tokens_per_s": self.new_tokens / max(self.seconds, 1e-9),
+                "speedup": plain_seconds / max(self.seconds, 1e-9), "greedy_mismatches": self.mismatches}
+
+
+def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], proposers: dict[str, Callable[[], Proposer]],
+             cfg: EvalConfig, aux_layer_ids=None) -> dict:
+    """Run plain and speculative greedy decoding on every prompt; returns the report dict.
+
+    ``proposers`` maps a method name to a factory of fresh proposers; ``aux_layer_ids`` are the EAGLE-3
+    head's (the plain baseline runs without hidden-state output). Report layout:
+    ``{"config", "tasks": {task: {"plain": {...}, method: row}}}`` (see ``MethodResult.row``)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    plain_target = TargetModel(target_model, tokenizer)
+    spec_target = TargetModel(target_model, tokenizer, aux_layer_ids=aux_layer_ids)
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=[tokenizer.eos_token_id])
+    report = {"config": {"k": cfg.k, "max_new_tokens": cfg.max_new_tokens, "methods": list(proposers)},
+              "tasks": {}}
+    for task, records in tasks.items():
+        records = records[: cfg.prompts_per_task] if cfg.prompts_per_task else records
+        plain_seconds, plain_tokens = 0.0, 0
+        results = {m: MethodResult(SpecStats(k=cfg.k)) for m in proposers}
+        for rec in tqdm(records, desc=f"eval {task}"):
+            ids = prompt_ids(tokenizer, rec["messages"])
+            t0 = time.perf_counter()
+            plain = generate_plain(plain_target, ids, gen)
+            plain_seconds += time.perf_counter() - t0
+            plain_tokens += len(plain.tokens)
+            for method, make in proposers.items():
+                proposer = make()
+                t0 = time.perf_counter()
+                out = generate_speculative(spec_target, proposer, ids, gen, cfg.k)
+                r = results[method]
+                r.seconds += time.perf_counter() - t0
+                r.new_tokens += len(out.tokens)
+                r.stats = r.stats.merge(out.stats)
+                r.mismatches += int(out.tokens != plain.tokens)
+        report["tasks"][task] = {
+            "prompts": len(records),
+            "plain": {"new_tokens": plain_tokens, "seconds": plain_seconds,
+                      "tokens_per_s": plain_tokens / max(plain_seconds, 1e-9)},
+            **{m: r.row(plain_seconds) for m, r in results.items()},
+        }
+    return report
+
+
+def format_table(report: dict) -> str:
+    """One text table: task x method with τ, acceptance rate, tokens/s and speedup vs plain."""
+    lines = [f"{'task':<15}{'method':<13}{'tau':>7}{'accept':>9}{'tok/s':>9}{'speedup':>9}"]
+    for task, rows in report["tasks"].items():
+        lines.append(f"{task:<15}{'plain':<13}{'':>7}{'':>9}{rows['plain']['tokens_per_s']:>9.1f}{1.0:>8.2f}x")
+        for method in report["config"]["methods"]:
+            r = rows[method]
+            lines.append(f"{'':<15}{method:<13}{r['tau']:>7.2f}{r['acceptance_rate']:>8.1%}"
+                         f"{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x")
+    return "\n".join(lines)
+
+
+def plot_acceptance(report: dict, path) -> None:
+    """PNG of acceptance per draft position (one panel per task, one line per method)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(report["tasks"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.4), sharey=True, squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for method in report["config"]["methods"]:
+            per_pos = report["tasks"][task][method]["accepted_per_pos"]
+            ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o",
+                    label=f"{method} (τ={report['tasks'][task][method]['tau']:.2f})")
+        ax.set_title(task)
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("accepted / drafts")
+    fig.suptitle(f"Acceptance per position, k={report['config']['k']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
