@@ -1,0 +1,98 @@
+"""End to end on the reference target: prepare -> train -> export -> check -> lossless decoding.
+
+Marked slow (minutes on 2 CPU cores); part of `make test`."""
+import shutil
+
+import pytest
+import torch
+
+from draftsmith import reference
+from draftsmith.config import load_config
+from draftsmith.data_pipeline.chat import prompt_ids
+from draftsmith.export.check import check_head, load_eagle3
+from draftsmith.export.metadata import HeadMismatchError
+from draftsmith.inference.eval import EvalConfig
+from draftsmith.inference.generate import GenerationConfig, generate_plain, generate_speculative
+from draftsmith.inference.target import TargetModel
+from draftsmith.pipeline import Recipe, build_proposers, run_train
+
+pytestmark = pytest.mark.slow
+NUM_PROMPTS = 20
+MAX_NEW = 32
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A briefly trained head (losslessness holds for any head; a few steps keep it quick)."""
+    torch.set_num_threads(2)
+    out = tmp_path_factory.mktemp("runs")
+    recipe = load_config(Recipe, None, [
+        f"out_dir={out}", "name=it", "data.num_conversations=24", "data.heldout_conversations=0",
+        "data.regenerate=false", "data.max_length=256", "data.draft_vocab_size=1024",
+        "train.max_steps=4", "train.batch_size=6", "train.epochs=1"])
+    target, tok = reference.target()
+    head_dir = run_train(recipe, target, tok)
+    return target, tok, head_dir
+
+
+@pytest.fixture(scope="module")
+def prompts(trained):
+    _, tok, _ = trained
+    tasks = reference.tasks()
+    picked = [r for name in reference.TASK_NAMES for r in tasks[name][:NUM_PROMPTS // 4]]
+    return [prompt_ids(tok, r["messages"]) for r in picked]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(trained, prompts):
+    target, tok, _ = trained
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW, eos_token_ids=[tok.eos_token_id])
+    return [generate_plain(TargetModel(target), p, cfg).tokens for p in prompts]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram", "draft_model"])
+def test_speculative_greedy_equals_plain(trained, prompts, plain_outputs, method):
+    target, tok, head_dir = trained
+    factories, aux = build_proposers([method], EvalConfig(), target, tok, head_dir)
+    wrapped = TargetModel(target, tok, aux)
+    cfg = GenerationConfig(max_new_tokens=MAX_NEW, eos_token_ids=[tok.eos_token_id])
+    accepted = 0
+    for k in (1, 3, 5):
+        for p, expected in zip(prompts, plain_outputs):
+            out = generate_speculative(wrapped, factories[method](), p, cfg, k)
+            assert out.tokens == expected, f"{method} k={k} diverged from plain greedy"
+            accepted += out.stats.num_accepted_tokens
+    assert accepted > 0
+
+
+def test_exported_head_reloads_bit_identically(trained):
+    target, tok, head_dir = trained
+    a, _ = load_eagle3(head_dir, target, tok)
+    b, _ = load_eagle3(head_dir, target, tok)
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), name
+    ids = torch.randint(3, 8000, (1, 12), generator=torch.Generator().manual_seed(0))
+    aux = torch.randn(1, 12, 3 * target.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    from draftsmith.heads.eagle3 import HeadKV
+
+    la = a.step(a.fuse(aux), ids, HeadKV(), "prefix")[1]
+    lb = b.step(b.fuse(aux), ids, HeadKV(), "prefix")[1]
+    assert torch.equal(la, lb)
+
+
+def test_head_is_refused_on_another_target(trained, tmp_path):
+    _, _, head_dir = trained
+    draft, draft_tok = reference.draft()
+    with pytest.raises(HeadMismatchError, match="hidden_size"):
+        check_head(head_dir, draft.config, draft_tok, "reference-draft")
+    with pytest.raises(HeadMismatchError):
+        load_eagle3(head_dir, draft, draft_tok)
+
+
+def test_cli_check_exit_codes(trained, capsys):
+    from draftsmith.cli import main
+
+    _, _, head_dir = trained
+    assert main(["check", str(head_dir), "--target", "reference"]) == 0
+    assert main(["check", str(head_dir), "--target", "reference-draft"]) == 1
+    assert "hidden_size" in capsys.readouterr().err
