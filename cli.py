@@ -7,6 +7,7 @@
     draftsmith check HEAD --target T [--allow-mismatch FIELD ...]
     draftsmith eval --head HEAD [--target T] [--methods ...] [--k 5] [--tasks ...]
     draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
+    draftsmith serve --target T [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
 
 RECIPE defaults to the packaged ``recipes/reference/eagle3.yaml``; overrides are dotted
 (``train.lr=1e-4``). Every recipe file starts with its exact launch command.
@@ -89,33 +90,28 @@ def cmd_eval(args) -> int:
 
 def cmd_generate(args) -> int:
     from draftsmith.data_pipeline.chat import prompt_ids
-    from draftsmith.inference.eval import EvalConfig
-    from draftsmith.inference.generate import GenerationConfig, generate_plain, generate_speculative
-    from draftsmith.inference.target import TargetModel
-    from draftsmith.models import load_causal_lm
-    from draftsmith.pipeline import build_proposers
+    from draftsmith.inference.engine import Engine
+    from draftsmith.inference.generate import GenerationConfig
 
-    target, tokenizer = load_causal_lm(args.target)
-    ids = prompt_ids(tokenizer, [{"role": "user", "content": args.prompt}])
+    engine = Engine.from_pretrained(args.target, args.speculative_config, allow_mismatch=args.allow_mismatch)
+    ids = prompt_ids(engine.tokenizer, [{"role": "user", "content": args.prompt}])
     gen = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                           eos_token_ids=[tokenizer.eos_token_id])
-    if args.speculative_config:
-        spec = json.loads(args.speculative_config)
-        method = spec.get("method")
-        cfg = EvalConfig(prompt_lookup_min=spec.get("prompt_lookup_min", 2),
-                         prompt_lookup_max=spec.get("prompt_lookup_max", 5),
-                         draft_model=spec.get("model", "reference-draft"))
-        head = Path(spec["model"]) if method == "eagle3" else None
-        factories, aux = build_proposers([method], cfg, target, tokenizer, head)
-        out = generate_speculative(TargetModel(target, tokenizer, aux), factories[method](), ids, gen,
-                                   spec.get("num_speculative_tokens", 5))
-        stats = out.stats
-        print(tokenizer.decode(out.tokens, skip_special_tokens=True))
-        print(f"\n[{method}] τ={stats.acceptance_length:.2f} acceptance={stats.acceptance_rate:.1%} "
+                           eos_token_ids=engine.eos_token_ids)
+    out = engine.generate(ids, gen)
+    print(out.text)
+    if out.stats is not None:
+        print(f"\n[{engine.spec.method}] τ={out.stats.acceptance_length:.2f} acceptance={out.stats.acceptance_rate:.1%} "
               f"target forwards={out.num_target_forwards} tokens={len(out.tokens)}", file=sys.stderr)
-    else:
-        out = generate_plain(TargetModel(target, tokenizer), ids, gen)
-        print(tokenizer.decode(out.tokens, skip_special_tokens=True))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    from draftsmith.inference.engine import Engine
+    from draftsmith.inference.server import serve
+
+    engine = Engine.from_pretrained(args.target, args.speculative_config, dtype=args.dtype, revision=args.revision,
+                                    served_model_name=args.served_model_name, allow_mismatch=args.allow_mismatch)
+    serve(engine, host=args.host, port=args.port)
     return 0
 
 
@@ -162,7 +158,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
     p.set_defaults(fn=cmd_generate)
+    p = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)")
+    p.add_argument("--target", default="reference")
+    p.add_argument("--speculative-config", default=None,
+                   help='JSON with vLLM\'s keys: {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 5}')
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
+    p.set_defaults(fn=cmd_serve)
     return parser
 
 

@@ -107,32 +107,29 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
 
 
 def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head_dir: Path | None):
-    """Factories of fresh proposers by method name, and the aux layer ids the target must expose.
+    """Factories of fresh greedy proposers by method name, and the aux layer ids the target must expose.
 
-    The EAGLE-3 head is loaded once through ``export.check.load_eagle3``, which refuses a head whose
-    metadata does not match ``target``; the draft model must share the target's tokenizer."""
-    from draftsmith.inference.proposers import DraftModelProposer, NgramProposer, check_same_tokenizer
+    Each method is set up by ``inference.engine.Engine`` exactly as ``draftsmith serve`` does: the
+    EAGLE-3 head is loaded once through ``load_eagle3`` (a head whose metadata does not match
+    ``target`` is refused) and the draft model must share the target's tokenizer."""
+    from draftsmith.inference.engine import Engine
+    from draftsmith.inference.generate import GenerationConfig
 
     factories, aux = {}, None
+    greedy = GenerationConfig(temperature=0.0)
     for method in methods:
+        spec = {"method": method, "num_speculative_tokens": cfg.k}
         if method == "eagle3":
-            from draftsmith.export.check import load_eagle3
-            from draftsmith.inference.proposers.eagle3 import Eagle3Proposer
-
             if head_dir is None:
                 raise ValueError("method eagle3 needs a head directory (--head DIR)")
-            head, _ = load_eagle3(head_dir, target, tokenizer)
-            aux = head.config.aux_layer_ids
-            factories[method] = lambda head=head: Eagle3Proposer(head)
-        elif method == "ngram":
-            factories[method] = lambda: NgramProposer(cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+            spec["model"] = str(head_dir)
         elif method == "draft_model":
-            draft, draft_tok = load_causal_lm(cfg.draft_model)
-            check_same_tokenizer(tokenizer, draft_tok)
-            vocab = target.get_output_embeddings().weight.shape[0]
-            factories[method] = lambda draft=draft: DraftModelProposer(draft, vocab)
-        else:
-            raise ValueError(f"unknown method {method!r}; choose from eagle3, ngram, draft_model")
+            spec["model"] = cfg.draft_model
+        elif method == "ngram":
+            spec.update(prompt_lookup_min=cfg.prompt_lookup_min, prompt_lookup_max=cfg.prompt_lookup_max)
+        engine = Engine(target, tokenizer, spec)
+        aux = engine.target.aux_layer_ids or aux
+        factories[method] = lambda engine=engine: engine.new_proposer(greedy)
     return factories, aux
 
 

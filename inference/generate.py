@@ -15,7 +15,7 @@ rounding between batched and one-token forwards); sampled output follows the sam
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Callable, Literal, Sequence
 
 import torch
 
@@ -163,9 +163,12 @@ def _next_token(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Ge
 
 
 class _Output:
-    """Emitted tokens with the stop rules applied token by token (never overshoots)."""
+    """Emitted tokens with the stop rules applied token by token (never overshoots).
 
-    def __init__(self, cfg: GenerationConfig):
+    ``on_tokens`` (optional) is called with each appended chunk, after the stop rules trimmed it."""
+
+    def __init__(self, cfg: GenerationConfig, on_tokens: Callable[[list[int]], None] | None = None):
+        self.on_tokens = on_tokens
         self.tokens: list[int] = []
         self.max_new_tokens = cfg.max_new_tokens
         self.stop_ids = cfg.stop_ids()
@@ -173,6 +176,7 @@ class _Output:
 
     def extend(self, tokens: Sequence[int]) -> bool:
         """Append tokens until a stop id or max_new_tokens; return True when generation is finished."""
+        start = len(self.tokens)
         for token in tokens:
             self.tokens.append(int(token))
             if int(token) in self.stop_ids:
@@ -181,15 +185,20 @@ class _Output:
                 self.finish_reason = "length"
             if self.finish_reason:
                 break
+        if self.on_tokens is not None and len(self.tokens) > start:
+            self.on_tokens(self.tokens[start:])
         return self.finish_reason is not None
 
 
-def generate_plain(target: TargetModel, prompt_ids, cfg: GenerationConfig) -> GenerationResult:
+def generate_plain(target: TargetModel, prompt_ids, cfg: GenerationConfig,
+                   on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Plain autoregressive decoding with a KV cache: one target forward per emitted token.
 
     Args:
         target: the wrapped target. prompt_ids: ``[T]`` int64 (or ``[1, T]``, or a list).
         cfg: decoding settings.
+        on_tokens: called with each emitted chunk (here one token) after the stop rules; an exception
+            it raises ends generation and propagates (how a caller stops on a stop string or cancels).
 
     Returns:
         ``GenerationResult`` with ``stats=None``.
@@ -198,7 +207,7 @@ def generate_plain(target: TargetModel, prompt_ids, cfg: GenerationConfig) -> Ge
         ValueError: an empty or batched prompt.
     """
     prompt = _as_prompt(prompt_ids)
-    out = _Output(cfg)
+    out = _Output(cfg, on_tokens)
     if out.finish_reason:
         return GenerationResult(out.tokens, out.finish_reason, None, 0)
     generator = _generator(cfg, target.device)
@@ -225,7 +234,7 @@ def _checked(proposal: Proposal, requested: int, vocab_size: int, proposer: Prop
 
 
 def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cfg: GenerationConfig,
-                         k: int) -> GenerationResult:
+                         k: int, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
     """Speculative decoding: the proposer drafts up to k tokens, one target forward verifies them.
 
     Steps:
@@ -242,6 +251,8 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
         proposer: a fresh or reusable ``Proposer`` (``start`` resets it per sequence).
         prompt_ids: ``[T]`` int64 (or ``[1, T]``, or a list). cfg: decoding settings.
         k: most drafted tokens per verify step (>= 0; 0 degenerates to plain decoding).
+        on_tokens: called with each emitted chunk after the stop rules (the first token, then each
+            verify step's accepted drafts + target token); an exception it raises ends generation.
 
     Returns:
         ``GenerationResult`` with ``SpecStats`` over k positions.
@@ -257,7 +268,7 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
                          f"TargetModel with aux_layer_ids (e.g. from the head's config)")
     prompt = _as_prompt(prompt_ids)
     stats = SpecStats(k=k)
-    out = _Output(cfg)
+    out = _Output(cfg, on_tokens)
     if out.finish_reason:
         return GenerationResult(out.tokens, out.finish_reason, stats, 0)
     generator = _generator(cfg, target.device)

@@ -1,0 +1,407 @@
+"""The serving engine: one target, its tokenizer, an optional speculative config; one request at a time.
+
+    engine = Engine.from_pretrained("reference", '{"method": "ngram", "num_speculative_tokens": 4}')
+    result = engine.generate(engine.tokenizer("def f(").input_ids, GenerationConfig(max_new_tokens=32))
+    result.text, result.tokens, result.finish_reason, result.stats
+
+``SpeculativeConfig`` takes the keys of vLLM's ``--speculative-config`` JSON that this runtime
+implements (``method``, ``model``, ``num_speculative_tokens``, ``prompt_lookup_min``,
+``prompt_lookup_max``, as in ``vllm/config/speculative.py``); any other key is refused.
+
+Startup:
+  1. parse the speculative config (unknown keys, bad values -> ValueError);
+  2. eagle3: ``export.check.load_eagle3`` checks the head's metadata against the target and tokenizer
+     (a mismatch raises ``HeadMismatchError``: the engine does not start); the head is loaded ONCE and
+     the target is wrapped with the head's aux layers;
+     draft_model: the draft is loaded once (``models.load_causal_lm``) and must share the target's
+     tokenizer (``check_same_tokenizer``) and vocabulary size;
+  3. per request: a fresh proposer around the loaded head / draft (proposers hold per-sequence state).
+
+Requests are served one at a time: the runtime's unit is one sequence (batch size 1), so ``generate``
+holds a lock for the whole sequence and concurrent callers queue behind it (the server adds a
+single-worker thread as its FIFO queue). Stop strings are found on the decoded text: the output is
+cut before the first stop string, generation ends at the token that completed it (finish_reason
+'stop'), and streamed text holds back any tail that could still become a stop string.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+
+from .generate import GenerationConfig, GenerationResult, SpecStats, generate_plain, generate_speculative
+from .metrics import EngineMetrics
+from .proposers import DraftModelProposer, NgramProposer, Proposal, Proposer, check_same_tokenizer
+from .target import TargetModel
+
+SPECULATIVE_METHODS = ("draft_model", "eagle3", "ngram")
+HEAD_METADATA_FILE = "draftsmith.json"     # what marks an exported EAGLE-3 head directory
+DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15     # request seed + offset seeds the drafter's sampling generator
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM ``--speculative-config`` keys implemented here (same names, same meaning).
+
+    Attributes:
+        method: 'ngram' | 'draft_model' | 'eagle3'. When omitted with a ``model``: 'eagle3' if the model
+            is a directory holding ``draftsmith.json`` (an exported head), else 'draft_model'
+            (vLLM also infers the method from the model).
+        model: EAGLE-3: the exported head directory; draft_model: the draft's name or path
+            (``reference-draft`` is the embedded one); ngram: must be omitted.
+        num_speculative_tokens: k, drafted tokens per verify step (>= 1; required).
+        prompt_lookup_min, prompt_lookup_max: ngram only; shortest / longest suffix n-gram looked up
+            (defaults 1 and max(5, prompt_lookup_min); ``inference/proposers/ngram.py``).
+
+    Raises:
+        ValueError: a missing or invalid value, or a key that does not apply to the method.
+    """
+
+    method: str | None = None
+    model: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+
+    def __post_init__(self):
+        if self.method is None:
+            if self.model is None:
+                raise ValueError(f"speculative config: 'method' is required (one of {', '.join(SPECULATIVE_METHODS)})")
+            self.method = "eagle3" if (Path(self.model) / HEAD_METADATA_FILE).is_file() else "draft_model"
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative config: method {self.method!r} is not supported; draftsmith implements "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        for name in ("num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"speculative config: {name} must be an integer >= 1, got {value!r}")
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative config: 'num_speculative_tokens' is required (drafted tokens per step, "
+                             "e.g. 3 for EAGLE-3, 4 for ngram)")
+        if self.model is not None and not isinstance(self.model, str):
+            raise ValueError(f"speculative config: model must be a string, got {self.model!r}")
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError(f"speculative config: method 'ngram' takes no model (got {self.model!r}); "
+                                 f"use method 'draft_model' or 'eagle3' to draft with a model")
+            if self.prompt_lookup_min is None:
+                self.prompt_lookup_min = 1
+            if self.prompt_lookup_max is None:
+                self.prompt_lookup_max = max(5, self.prompt_lookup_min)
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"speculative config: prompt_lookup_min ({self.prompt_lookup_min}) > "
+                                 f"prompt_lookup_max ({self.prompt_lookup_max})")
+        else:
+            if self.model is None:
+                what = "the exported head directory" if self.method == "eagle3" else "the draft model's name or path"
+                raise ValueError(f"speculative config: method {self.method!r} needs 'model' ({what})")
+            given = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if getattr(self, n) is not None]
+            if given:
+                raise ValueError(f"speculative config: {', '.join(given)} only apply to method 'ngram', "
+                                 f"not {self.method!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "SpeculativeConfig":
+        """Build from a parsed JSON object; unknown keys are refused (naming the known ones)."""
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(data) - set(known))
+        if unknown:
+            raise ValueError(f"speculative config: unknown key(s) {', '.join(map(repr, unknown))}; draftsmith "
+                             f"accepts {', '.join(known)} (the vLLM --speculative-config keys it implements)")
+        return cls(**data)
+
+    @classmethod
+    def parse(cls, value: "str | Mapping[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A config from a JSON string (as ``--speculative-config``), a dict, a config or None."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative config is not valid JSON ({e}): {value!r}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative config must be a JSON object, got {value!r}")
+        return cls.from_dict(value)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (the server answers 4xx).
+
+    Attributes:
+        code: a short machine-readable reason ('context_length_exceeded', 'invalid_prompt', ...).
+        param: the request field at fault, when there is one.
+    """
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+class RequestCancelled(Exception):
+    """Raised by ``Engine.generate`` when its ``cancel`` event was set (e.g. the client went away)."""
+
+
+@dataclass
+class EngineResult(GenerationResult):
+    """A ``GenerationResult`` (tokens cut at a stop string) plus what a server reports.
+
+    Attributes:
+        text: the decoded completion (special tokens skipped), cut before the first stop string.
+        prompt_tokens: prompt length. ttft_s: arrival to first token (None when no token was made).
+        latency_s: arrival to the end of generation.
+    """
+
+    text: str = ""
+    prompt_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+
+
+class _StopStringFound(Exception):
+    """Raised from the token callback to end generation at a stop string."""
+
+
+class _CountingProposer(Proposer):
+    """Forwards to a proposer and counts the verification outcomes like ``SpecStats``, so that counts
+    survive a generation ended early (stop string, cancel) by an exception from the token callback."""
+
+    def __init__(self, inner: Proposer, k: int):
+        self.inner, self.stats, self.verify_steps = inner, SpecStats(k=k), 0
+        self.needs_aux_hidden = inner.needs_aux_hidden
+        self._proposed = 0
+
+    def start(self, prompt_ids, first_token, target_step) -> None:
+        self.inner.start(prompt_ids, first_token, target_step)
+
+    def propose(self, k: int) -> Proposal:
+        proposal = self.inner.propose(k)
+        self._proposed = int(proposal.tokens.numel())
+        return proposal
+
+    def accept(self, n_accepted, emitted, target_step) -> None:
+        self.stats.record(self._proposed, int(n_accepted))
+        self.verify_steps += 1
+        self.inner.accept(n_accepted, emitted, target_step)
+
+
+class TextStream:
+    """Decoded text of a growing token list, with stop strings and streamed deltas.
+
+    ``add(chunk)`` decodes the tokens so far; when a stop string appears it cuts ``tokens`` after the
+    token that completed it and ``text`` before the stop string, sends the rest and raises
+    ``_StopStringFound``. Deltas sent to ``on_text`` hold back a trailing incomplete character
+    ('\\ufffd') and any tail that is a prefix of a stop string; ``finish()`` sends what is left.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.stop = tuple(s for s in stop if s)
+        self.longest_stop = max((len(s) for s in self.stop), default=0)
+        self.tokens: list[int] = []
+        self.text = ""
+        self.sent = 0
+
+    def _decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def _find_stop(self, text: str, start: int) -> int | None:
+        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def add(self, chunk: Sequence[int]) -> None:
+        first_new = len(self.tokens)
+        self.tokens.extend(int(t) for t in chunk)
+        text = self._decode(self.tokens)
+        if self.stop:
+            # a stop string wholly inside the old text would have been found already
+            start = max(0, min(len(self.text), len(text)) - self.longest_stop + 1)
+            if self._find_stop(text, start) is not None:
+                for end in range(first_new + 1, len(self.tokens) + 1):     # fewest tokens that complete it
+                    text = self._decode(self.tokens[:end])
+                    hit = self._find_stop(text, 0)
+                    if hit is not None:
+                        del self.tokens[end:]
+                        self.text = text[:hit]
+                        break
+                self.finish()
+                raise _StopStringFound
+        self.text = text
+        self._send(self._safe_end(text))
+
+    def _safe_end(self, text: str) -> int:
+        """How much of ``text`` can be sent now: no trailing '\\ufffd', no tail that may start a stop string."""
+        end = len(text.rstrip("\ufffd"))
+        for n in range(min(self.longest_stop - 1, end), 0, -1):
+            tail = text[end - n:end]
+            if any(s.startswith(tail) for s in self.stop):
+                return end - n
+        return end
+
+    def _send(self, end: int) -> None:
+        if end > self.sent:
+            delta, self.sent = self.text[self.sent:end], end
+            if self.on_text is not None:
+                self.on_text(delta)
+
+    def finish(self) -> None:
+        """Send whatever text is still held back."""
+        self._send(len(self.text))
+
+
+def _eos_ids(model, tokenizer) -> tuple[int, ...]:
+    """EOS ids of the tokenizer and of the model's generation config (an int or a list)."""
+    ids = [getattr(tokenizer, "eos_token_id", None)]
+    generation_config = getattr(model, "generation_config", None)
+    eos = getattr(generation_config, "eos_token_id", None)
+    ids += list(eos) if isinstance(eos, (list, tuple)) else [eos]
+    return tuple(sorted({int(i) for i in ids if i is not None}))
+
+
+class Engine:
+    """Serves one target (batch size 1), with or without speculation.
+
+    Args:
+        model: a transformers causal LM in eval mode (on its serving device).
+        tokenizer: the target's tokenizer (decoding, chat template, stop strings).
+        speculative_config: a ``SpeculativeConfig``, its dict or JSON string, or None (plain decoding).
+        model_name: the name clients send as ``model`` (``/v1/models``).
+        allow_mismatch: EAGLE-3 identity fields to override (as ``load_eagle3``; CLI ``--allow-mismatch``).
+
+    Raises:
+        ValueError: a bad speculative config; a draft model whose tokenizer or vocabulary is not the
+            target's. ``HeadMismatchError`` (a ValueError): an EAGLE-3 head that does not fit the target.
+    """
+
+    def __init__(self, model, tokenizer, speculative_config=None, *, model_name: str = "draftsmith",
+                 allow_mismatch: Sequence[str] = ()):
+        self.spec = SpeculativeConfig.parse(speculative_config)
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.head = self.draft_model = None
+        aux_layer_ids = None
+        device = next(model.parameters()).device
+        if self.spec is not None and self.spec.method == "eagle3":
+            from draftsmith.export.check import load_eagle3
+
+            head, _ = load_eagle3(self.spec.model, target_model=model, tokenizer=tokenizer,
+                                  allow_mismatch=allow_mismatch)
+            head.to(device).bind_embedding(model.get_input_embeddings())
+            self.head, aux_layer_ids = head, head.config.aux_layer_ids
+        elif self.spec is not None and self.spec.method == "draft_model":
+            from draftsmith.models import load_causal_lm
+
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            draft, draft_tokenizer = load_causal_lm(self.spec.model, dtype=dtype)
+            check_same_tokenizer(tokenizer, draft_tokenizer)
+            self.draft_model = draft.to(device)
+        self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
+        if self.draft_model is not None:
+            DraftModelProposer(self.draft_model, self.target.vocab_size)   # refuses a vocab size mismatch now
+        self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
+        self.max_model_len = int(self.target.config.max_position_embeddings)
+        self.eos_token_ids = _eos_ids(model, tokenizer)
+        self.metrics = EngineMetrics(self.k)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, target: str, speculative_config=None, *, revision: str | None = None,
+                        dtype: str = "float32", device: str | None = None, served_model_name: str | None = None,
+                        allow_mismatch: Sequence[str] = ()) -> "Engine":
+        """Load ``target`` (a Hub id, a folder, or ``reference``) on ``device`` (default: cuda when
+        available) and build the engine; ``served_model_name`` defaults to ``target``."""
+        from draftsmith.models import load_causal_lm
+
+        model, tokenizer = load_causal_lm(target, revision=revision, dtype=dtype)
+        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        return cls(model, tokenizer, speculative_config, model_name=served_model_name or target,
+                   allow_mismatch=allow_mismatch)
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Refuse (``RequestError``) an empty prompt, ids outside the vocabulary, or prompt + max_new_tokens
+        beyond the target's max_position_embeddings."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty (0 tokens)", "invalid_prompt", "prompt")
+        vocab_size = self.target.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                               "invalid_prompt", "prompt")
+        if n + max_new_tokens > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                               f"{n + max_new_tokens} were requested ({n} in the prompt, {max_new_tokens} for the "
+                               f"completion); shorten the prompt or lower max_tokens",
+                               "context_length_exceeded", "max_tokens" if n < self.max_model_len else "prompt")
+
+    def new_proposer(self, cfg: GenerationConfig) -> Proposer | None:
+        """A fresh proposer for one sequence (drafts sampled with the request's settings)."""
+        if self.spec is None:
+            return None
+        if self.spec.method == "ngram":
+            return NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        # the drafter's generator must not replay the target's random stream (same seed -> correlated draws)
+        seed = None if cfg.seed is None else (cfg.seed + DRAFT_SEED_OFFSET) % 2**63
+        sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
+        if self.spec.method == "draft_model":
+            return DraftModelProposer(self.draft_model, self.target.vocab_size, **sampling)
+        from .proposers.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer(self.head, **sampling)
+
+    def generate(self, prompt_ids: Sequence[int], cfg: GenerationConfig, *, stop: Sequence[str] = (),
+                 on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+                 arrival: float | None = None) -> EngineResult:
+        """Generate one sequence (waiting for the requests ahead of it), record its metrics.
+
+        Args:
+            prompt_ids: ``[T]`` token ids. cfg: decoding settings (EOS ids are the caller's to set;
+                ``self.eos_token_ids`` are the model's).
+            stop: stop strings, found on the decoded text. on_text: called with each new piece of text.
+            cancel: when set, generation stops at the next chunk with ``RequestCancelled``.
+            arrival: ``time.perf_counter()`` when the request arrived (TTFT and latency count from it;
+                default: now).
+
+        Raises:
+            RequestError: the prompt fails ``check_prompt``. RequestCancelled: ``cancel`` was set.
+        """
+        arrival = time.perf_counter() if arrival is None else arrival
+        prompt = [int(t) for t in prompt_ids]
+        self.check_prompt(prompt, cfg.max_new_tokens)
+        with self._lock:
+            proposer = self.new_proposer(cfg)
+            counting = _CountingProposer(proposer, self.k) if proposer is not None else None
+            text = TextStream(self.tokenizer, stop, on_text)
+            first_token_at = None
+
+            def on_tokens(chunk: list[int]) -> None:
+                nonlocal first_token_at
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                if cancel is not None and cancel.is_set():
+                    raise RequestCancelled
+                text.add(chunk)
+
+            try:
+                if counting is None:
+                    result = generate_plain(self.target, prompt, cfg, on_tokens=on_tokens)
+                else:
+                    result = generate_speculative(self.target, counting, prompt, cfg, self.k, on_tokens=on_tokens)
+                finish_reason, forwards = result.finish_reason, result.num_target_forwards
+            except _StopStringFound:
+                finish_reason = "stop"
+                forwards = 1 + counting.verify_steps if counting is not None else len(text.tokens)
+            finally:
+                if counting is not None:
+                    self.metrics.record_spec(counting.stats)
+            text.finish()
+        latency = time.perf_counter() - arrival
+        ttft = first_token_at - arrival if first_token_at is not None else None
+        self.metrics.record_request(len(prompt), len(text.tokens), finish_reason, ttft, latency)
+        return EngineResult(tokens=text.tokens, finish_reason=finish_reason,
+                            stats=counting.stats if counting is not None else None, num_target_forwards=forwards,
+                            text=text.text, prompt_tokens=len(prompt), ttft_s=ttft, latency_s=latency)
