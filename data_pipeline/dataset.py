@@ -4,17 +4,34 @@ Schema: a conversation is ``{"messages": [{"role": "system"|"user"|"assistant"|"
 plus optional ``provenance``. Accepted inputs: OpenAI ``messages``, ShareGPT ``conversations``
 (``from``/``value``, human/gpt), UltraChat ``messages``/``data`` lists, and ``reference:train`` (the
 reference target's train split, derived from the running interpreter's stdlib, DESIGN.md §8).
+
+Turn order: an optional system message first, then a user turn; a user turn is answered by the
+assistant; the assistant is followed by a user or a tool turn; tool turns are followed by more tool
+turns or the assistant. Anything else (two user turns in a row, an assistant first, a system message
+later on) is malformed.
+
+Malformed records follow a policy, ``on_error``: ``"raise"`` (DatasetError naming the record) or
+``"skip"``: the record is left out, and every skipped record is returned with its reason
+(``LoadedConversations.skipped``, ``RenderedDataset.skipped``) and logged as a warning; never silent.
 """
 from __future__ import annotations
 
 import json
+import logging
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 
 from draftsmith.data_pipeline.chat import render
+
+logger = logging.getLogger(__name__)
+ON_ERROR = ("raise", "skip")
+# role -> roles that may follow it; None is the start of the conversation
+NEXT_ROLES = {None: ("system", "user"), "system": ("user",), "user": ("assistant",),
+              "assistant": ("user", "tool"), "tool": ("tool", "assistant")}
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "chatgpt": "assistant", "bing": "assistant"}
@@ -44,29 +61,94 @@ def normalise(record: dict, index: int) -> dict:
             raise DatasetError(f"record {index}, turn {j}: empty or missing content")
     if not any(m["role"] == "user" for m in messages):
         raise DatasetError(f"record {index}: no user turn")
+    previous = None
+    for j, m in enumerate(messages):
+        if m["role"] not in NEXT_ROLES[previous]:
+            where = "come first" if previous is None else f"follow a {previous!r} turn"
+            raise DatasetError(f"record {index}, turn {j}: role {m['role']!r} cannot {where} (expected "
+                               f"{' or '.join(map(repr, NEXT_ROLES[previous]))}); turns must alternate")
+        previous = m["role"]
     out = {k: v for k, v in record.items() if k not in ("messages", "conversations", "data")}
     out["messages"] = messages
     return out
 
 
-def load_conversations(source: str, limit: int | None = None, seed: int = 0) -> list[dict]:
-    """Conversations from ``source`` (a .jsonl/.json path or ``reference:train``), shuffled with ``seed``.
+@dataclass
+class SkippedRecord:
+    """A record left out under ``on_error="skip"``: its index in the source and why."""
 
-    Raises FileNotFoundError for a missing file, DatasetError for a malformed record."""
+    index: int
+    reason: str
+
+
+@dataclass
+class LoadedConversations:
+    """What :func:`read_conversations` kept, and what it skipped (with reasons)."""
+
+    conversations: list[dict]
+    skipped: list[SkippedRecord] = field(default_factory=list)
+    total: int = 0                           #: records in the source
+
+
+def _check_on_error(on_error: str) -> None:
+    if on_error not in ON_ERROR:
+        raise ValueError(f"on_error must be one of {ON_ERROR}, got {on_error!r}")
+
+
+def _log_skipped(what: str, skipped: list[SkippedRecord], total: int) -> None:
+    if skipped:
+        first = "; ".join(s.reason for s in skipped[:3])
+        logger.warning("%s: skipped %d of %d malformed records (first: %s)", what, len(skipped), total, first)
+
+
+def read_conversations(source: str, limit: int | None = None, seed: int = 0,
+                       on_error: str = "raise") -> LoadedConversations:
+    """Conversations from ``source`` (a .jsonl/.json path or ``reference:train``), shuffled with ``seed``,
+    the first ``limit`` kept; malformed records raise DatasetError or are skipped per ``on_error``.
+
+    Raises FileNotFoundError for a missing file."""
+    _check_on_error(on_error)
+    skipped: list[SkippedRecord] = []
     if source == "reference:train":
         from draftsmith.reference import corpus
 
         train = [s for s in corpus.stdlib_sources() if not corpus.is_heldout(s.module)]
         records = corpus.examples(train, corpus.FAMILIES, seed)
+        total = len(records)
     else:
         path = Path(source)
         if not path.exists():
             raise FileNotFoundError(f"dataset {source} not found (give a .jsonl/.json file or 'reference:train')")
         text = path.read_text()
-        raw = json.loads(text) if path.suffix == ".json" else [json.loads(l) for l in text.splitlines() if l.strip()]
-        records = [normalise(r, i) for i, r in enumerate(raw)]
+        jsonl = path.suffix != ".json"
+        raw = [l for l in text.splitlines() if l.strip()] if jsonl else json.loads(text)
+        records, total = [], len(raw)
+        for i, r in enumerate(raw):
+            try:
+                if jsonl:
+                    try:
+                        r = json.loads(r)
+                    except json.JSONDecodeError as e:
+                        raise DatasetError(f"record {i}: not valid JSON ({e})") from None
+                if not isinstance(r, dict):
+                    raise DatasetError(f"record {i}: expected a JSON object, got {type(r).__name__}")
+                records.append(normalise(r, i))
+            except DatasetError as e:
+                if on_error == "raise":
+                    raise
+                skipped.append(SkippedRecord(i, str(e)))
+        _log_skipped(f"dataset {source}", skipped, total)
     random.Random(seed).shuffle(records)
-    return records[:limit] if limit else records
+    return LoadedConversations(records[:limit] if limit else records, skipped, total)
+
+
+def load_conversations(source: str, limit: int | None = None, seed: int = 0, on_error: str = "raise") -> list[dict]:
+    """Conversations from ``source`` (a .jsonl/.json path or ``reference:train``), shuffled with ``seed``.
+
+    Raises FileNotFoundError for a missing file, DatasetError for a malformed record (``on_error="raise"``);
+    with ``on_error="skip"`` malformed records are logged and left out (:func:`read_conversations`
+    returns them too)."""
+    return read_conversations(source, limit, seed, on_error).conversations
 
 
 @dataclass
@@ -75,6 +157,7 @@ class RenderedDataset:
 
     input_ids: list[torch.Tensor]
     loss_mask: list[torch.Tensor]
+    skipped: list[SkippedRecord] = field(default_factory=list)   #: conversations the template refused
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -87,18 +170,28 @@ class RenderedDataset:
         return sum(m.numel() for m in self.loss_mask)
 
 
-def render_dataset(tokenizer, conversations: list[dict], max_length: int) -> RenderedDataset:
+def render_dataset(tokenizer, conversations: list[dict], max_length: int, on_error: str = "raise",
+                   chat_template_kwargs: dict | None = None) -> RenderedDataset:
     """Render every conversation with the chat template and assistant-only mask (truncated to max_length).
 
-    Raises ValueError when the whole dataset's supervised fraction is 0% or above 95%: the template's
-    mask is then wrong (e.g. a template that re-renders earlier turns)."""
-    ids, masks = [], []
-    for conv in conversations:
-        r = render(tokenizer, conv["messages"], max_length=max_length)
+    A conversation the template or the mask refuses (ChatTemplateError, a template's raise_exception)
+    raises, or is skipped and reported per ``on_error``. Raises ValueError when the whole dataset's
+    supervised fraction is 0% or above 95%: the template's mask is then wrong."""
+    _check_on_error(on_error)
+    ids, masks, skipped = [], [], []
+    for i, conv in enumerate(conversations):
+        try:
+            r = render(tokenizer, conv["messages"], max_length=max_length, chat_template_kwargs=chat_template_kwargs)
+        except (ValueError, TemplateError) as e:
+            if on_error == "raise":
+                raise
+            skipped.append(SkippedRecord(i, f"conversation {i}: {type(e).__name__}: {e}"))
+            continue
         if r.loss_mask.any():
             ids.append(r.input_ids)
             masks.append(r.loss_mask)
-    ds = RenderedDataset(ids, masks)
+    _log_skipped("render_dataset", skipped, len(conversations))
+    ds = RenderedDataset(ids, masks, skipped)
     frac = ds.supervised_fraction()
     if not ds.input_ids or frac == 0.0 or frac > 0.95:
         raise ValueError(f"supervised fraction {frac:.1%} over {len(ds)} conversations is implausible for the chat "
