@@ -2,6 +2,7 @@
 
     draftsmith demo                                   # the main job on the reference target
     draftsmith prepare RECIPE [key=value ...]         # conversations + vocab map -> runs/NAME/data
+    draftsmith capture RECIPE [key=value ...]         # offline hidden-state shards -> runs/NAME/capture
     draftsmith train RECIPE [key=value ...]           # prepare, train, export -> runs/NAME/head
     draftsmith export RUN_DIR --out DIR [--format draftsmith speculators]
     draftsmith check HEAD --target T [--allow-mismatch FIELD ...]
@@ -43,6 +44,14 @@ def cmd_prepare(args) -> int:
 
     data = run_prepare(_recipe(args))
     print(json.dumps({k: v for k, v in data.manifest.items() if k not in ("key", "files")}, indent=1))
+    return 0
+
+
+def cmd_capture(args) -> int:
+    from draftsmith.pipeline import run_capture
+
+    manifest = run_capture(_recipe(args))
+    print(json.dumps({k: v for k, v in manifest.items() if k not in ("key", "shards", "target")}, indent=1))
     return 0
 
 
@@ -126,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="verb", required=True)
     for name, fn, help_ in (("demo", cmd_demo, "run the main job end to end"),
                             ("prepare", cmd_prepare, "build training conversations and the vocab map"),
+                            ("capture", cmd_capture, "capture the target's hidden states to offline shards"),
                             ("train", cmd_train, "prepare, train and export an EAGLE-3 head")):
         p = sub.add_parser(name, help=help_)
         _add_recipe(p)

@@ -34,6 +34,15 @@ class ExportConfig:
 
 
 @dataclass
+class CaptureConfig:
+    """Offline capture (``draftsmith capture``): hidden-state shards written under ``runs/NAME/capture``."""
+
+    shard_size: int = 512                 #: conversations per shard
+    batch_size: int = 8                   #: sequences per target forward
+    dtype: str | None = None              #: stored hidden-state dtype; None = the target's (recorded either way)
+
+
+@dataclass
 class Recipe:
     """One EAGLE-3 job: every section is a typed config; unknown keys are rejected when loading."""
 
@@ -43,6 +52,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
 
@@ -57,6 +67,21 @@ def run_prepare(recipe: Recipe, target=None, tokenizer=None) -> PreparedData:
         target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
     return prepare(recipe.data, target, tokenizer, recipe.target.name_or_path, recipe.run_dir / "data",
                    recipe.target.revision)
+
+
+def run_capture(recipe: Recipe, target=None, tokenizer=None) -> dict:
+    """Offline capture of the prepared conversations into safetensors shards; returns the manifest."""
+    from draftsmith.data_pipeline.shards import write_shards
+    from draftsmith.heads.eagle3 import default_aux_layer_ids
+
+    if target is None:
+        target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
+    data = run_prepare(recipe, target, tokenizer)
+    aux = recipe.head.aux_layer_ids or default_aux_layer_ids(target.config.get_text_config().num_hidden_layers)
+    return write_shards(target, tokenizer, data.conversations, recipe.run_dir / "capture", aux,
+                        max_length=recipe.data.max_length, shard_size=recipe.capture.shard_size,
+                        batch_size=recipe.capture.batch_size, target_name=recipe.target.name_or_path,
+                        revision=recipe.target.revision, capture_dtype=recipe.capture.dtype)
 
 
 def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
