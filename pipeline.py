@@ -178,6 +178,50 @@ def run_eval(recipe: Recipe, head_dir: Path | None, target=None, tokenizer=None)
     return report
 
 
+def serve_check(target, tokenizer, head_dir: Path, k: int, prompt: str, max_tokens: int = 48) -> dict:
+    """Serve the head for real (uvicorn on 127.0.0.1, an ephemeral port), send one chat request, read
+    ``/metrics``, stop the server. Returns the answer and the spec-decode counters it scraped."""
+    import threading
+
+    import httpx
+    import uvicorn
+
+    from draftsmith.inference.engine import Engine
+    from draftsmith.inference.server import create_app
+
+    engine = Engine(target, tokenizer, {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k},
+                    model_name="reference")
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        for _ in range(600):
+            if server.started:
+                break
+            time.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        base = f"http://127.0.0.1:{port}"
+        reply = httpx.post(f"{base}/v1/chat/completions", timeout=300, json={
+            "model": "reference", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0}).json()
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    counters = {line.split(" ")[0].removeprefix("draftsmith:spec_decode_"): float(line.split(" ")[1])
+                for line in metrics.splitlines()
+                if line.startswith("draftsmith:spec_decode_num_") and "{" not in line and "_created" not in line}
+    return {"url": base, "answer": reply["choices"][0]["message"]["content"], "usage": reply["usage"],
+            "metrics": counters}
+
+
+def reference_prompt(recipe: Recipe) -> str:
+    """The first prompt of the first held-out task (what the demo sends to its server)."""
+    from draftsmith import reference
+
+    return reference.tasks(recipe.eval.tasks[:1], limit=1)[recipe.eval.tasks[0]][0]["messages"][-1]["content"]
+
+
 def demo(recipe: Recipe) -> dict:
     """The main job end to end on one target; prints the table and returns the report."""
     from draftsmith.export.card import write_model_card
@@ -194,6 +238,11 @@ def demo(recipe: Recipe) -> dict:
         t: {m: {k: v for k, v in r.items() if k in ("tau", "acceptance_rate", "accepted_per_pos")}
             for m, r in rows.items() if m != "plain" and isinstance(r, dict)} for t, rows in report["tasks"].items()}})
     write_model_card(head_dir, report, recipe.run_dir / "eval" / "acceptance.png")
+    first = reference_prompt(recipe)
+    served = serve_check(target, tokenizer, head_dir, recipe.eval.k, first)
+    print(f"served {head_dir} at {served['url']}: {served['usage']['completion_tokens']} tokens, "
+          f"/metrics {served['metrics']}")
+    report["serve_check"] = served
     report["wall_clock_s"] = time.time() - t0
     (recipe.run_dir / "eval" / "report.json").write_text(json.dumps(report, indent=1))
     print(format_table(report))
