@@ -5,7 +5,8 @@
     draftsmith capture RECIPE [key=value ...]         # offline hidden-state shards -> runs/NAME/capture
     draftsmith train RECIPE [key=value ...]           # prepare, train, export -> runs/NAME/head
     draftsmith export RUN_DIR --out DIR [--format draftsmith speculators]
-    draftsmith check HEAD --target T [--allow-mismatch FIELD ...]
+    draftsmith check HEAD --target T [--allow-mismatch FIELD ...] [--tensor-parallel-size N]
+    draftsmith push HEAD --repo-id ORG/NAME [--private] [--revision BRANCH] [--dry-run]
     draftsmith eval --head HEAD [--target T] [--methods ...] [--k 5] [--tasks ...]
     draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
     draftsmith serve --target T [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
@@ -76,6 +77,25 @@ def cmd_check(args) -> int:
     target, tokenizer = load_causal_lm(args.target, args.revision)
     report = check_head(args.head, target.config, tokenizer, args.target, allow_mismatch=tuple(args.allow_mismatch))
     print(report.summary())
+    if args.tensor_parallel_size:
+        from draftsmith.export.tensor_parallel import tensor_parallel_problems
+
+        problems = (tensor_parallel_problems(report.metadata.head_config, args.tensor_parallel_size, "head")
+                    + tensor_parallel_problems(target.config.get_text_config().to_dict(), args.tensor_parallel_size,
+                                               "target"))
+        for p in problems:
+            print(f"tensor parallel: {p}", file=sys.stderr)
+        if problems:
+            return 1
+        print(f"tensor parallel: head and target shard over {args.tensor_parallel_size} ranks")
+    return 0
+
+
+def cmd_push(args) -> int:
+    from draftsmith.export.hub import push_head
+
+    plan = push_head(args.head, args.repo_id, revision=args.revision, private=args.private, dry_run=args.dry_run)
+    print(("would upload " if args.dry_run else "uploaded ") + plan.summary())
     return 0
 
 
@@ -150,7 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target", default="reference")
     p.add_argument("--revision", default=None)
     p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
+    p.add_argument("--tensor-parallel-size", type=int, default=None, help="also check sharding over N ranks")
     p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("push", help="upload a checked head directory to the Hugging Face Hub")
+    p.add_argument("head")
+    p.add_argument("--repo-id", required=True, help="ORG/NAME")
+    p.add_argument("--revision", default=None, help="branch (created if absent)")
+    p.add_argument("--private", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="list what would be uploaded; send nothing")
+    p.set_defaults(fn=cmd_push)
     p = sub.add_parser("eval", help="acceptance of each method on the held-out tasks")
     p.add_argument("--recipe", default=None)
     p.add_argument("--head", default=None, help="exported head directory (for method eagle3)")
