@@ -246,11 +246,9 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
     if list(meta.aux_layer_ids) != list(meta.head_config.get("aux_layer_ids", meta.aux_layer_ids)):
         raise HeadMismatchError("aux_layer_ids", f"{where}: aux_layer_ids {meta.aux_layer_ids} disagree with "
                                 f"head_config {meta.head_config.get('aux_layer_ids')}. Fix: re-export the head.")
-    # 4. aux layers; 5. target identity
+    # 5. target identity first (its message names the field that differs), then 4. aux layers in range
     overridden, warnings = [], []
     actual = target_identity(target_config, tokenizer, name_or_path) if target_config is not None else None
-    validate_aux_layer_ids(meta.aux_layer_ids, meta.aux_layer_convention,
-                           actual["num_hidden_layers"] if actual else None, where)
     if actual is None:
         warnings.append("no target given: only the head's own integrity was checked")
         logger.warning("%s: %s", where, warnings[-1])
@@ -258,6 +256,8 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
         if name_or_path and name_or_path != meta.target.get("name_or_path"):
             logger.info("%s: trained on %r, checked against %r", where, meta.target.get("name_or_path"), name_or_path)
         overridden, warnings = _compare_target(meta.target, actual, allow_mismatch, where)
+    validate_aux_layer_ids(meta.aux_layer_ids, meta.aux_layer_convention,
+                           actual["num_hidden_layers"] if actual else None, where)
     return CheckReport(head_dir, meta, overridden, warnings, checked_target=actual is not None), sd
 
 

@@ -13,6 +13,8 @@ Fields (format_version 1):
 - ``target``: the identity from ``export.identity.target_identity``;
 - ``training``: caller-provided (data manifest, token counts, ...); ``eval``: held-out acceptance
   results, filled at export or later with ``update_metadata``;
+- ``referee``: verdicts of serving engines that decoded exactly as draftsmith does (``export/referee.py``),
+  keyed ``engine/format/k``: {engine, version, format, k, prompts, match, details, checked_at};
 - ``weights``: {relative file path: sha256 of its bytes} for every weight file in the directory;
 - ``created_at``: UTC ISO-8601 time of the export.
 """
@@ -58,6 +60,7 @@ class HeadMetadata:
     aux_layer_convention: str = AUX_LAYER_CONVENTION
     training: dict = field(default_factory=dict)
     eval: dict = field(default_factory=dict)
+    referee: dict = field(default_factory=dict)
     toolkit: dict = field(default_factory=lambda: toolkit_info())
     created_at: str = field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
     format_version: int = FORMAT_VERSION
@@ -144,12 +147,15 @@ def write_metadata(head_dir: str | Path, meta: HeadMetadata) -> Path:
     return path
 
 
-def update_metadata(head_dir: str | Path, *, eval: dict | None = None, training: dict | None = None) -> HeadMetadata:
-    """Merge ``eval`` / ``training`` entries (shallow, by key) into an exported head's metadata."""
+def update_metadata(head_dir: str | Path, *, eval: dict | None = None, training: dict | None = None,
+                    referee: dict | None = None) -> HeadMetadata:
+    """Merge ``eval`` / ``training`` / ``referee`` entries (shallow, by key) into an exported head's metadata."""
     meta = read_metadata(head_dir)
     if eval:
         meta.eval.update(eval)
     if training:
         meta.training.update(training)
+    if referee:
+        meta.referee.update(referee)
     write_metadata(head_dir, meta)
     return meta
