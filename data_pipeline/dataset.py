@@ -113,7 +113,9 @@ def read_conversations(source: str, limit: int | None = None, seed: int = 0,
         from draftsmith.reference import corpus
 
         train = [s for s in corpus.stdlib_sources() if not corpus.is_heldout(s.module)]
-        records = corpus.examples(train, corpus.FAMILIES, seed)
+        # Re-derive the prompts with another seed than pretraining's (cut points, renamed identifiers,
+        # added parameters differ), so the target answers prompts it has not memorised, as when serving.
+        records = corpus.examples(train, corpus.FAMILIES, corpus.HEAD_DATA_SEED + seed)
         total = len(records)
     else:
         path = Path(source)

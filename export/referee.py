@@ -13,7 +13,8 @@ Steps (``referee``):
   3. vLLM: one engine per run (plain, then each format x k), prompts one at a time, greedy; the
      spec-decode counters come from ``LLM.get_metrics()`` before and after each prompt (``run_vllm``).
   4. Compare output tokens and the counters (drafts, draft tokens, accepted per position); the
-     verdicts go into the head's ``draftsmith.json`` under ``referee`` (``record_verdicts``).
+     matching verdicts go into the head's ``draftsmith.json`` under ``referee``, with the sha256 of
+     the weights they are about, unless the head was re-exported meanwhile (``record_verdicts``).
 
 Counting convention. vLLM always drafts k tokens (the scheduler never shortens a draft to the tokens
 that can still be emitted) and counts a verify step's outcome before the stop rules trim its tokens;
@@ -355,7 +356,8 @@ def compare(fmt: str, k: int, version: str, ours_plain: RunResult, ours_spec: Ru
 def verdict_text(v: Verdict) -> str:
     d = v.details
     if "error" in d:
-        lines = [ln.strip() for ln in d["error"].splitlines() if "rror" in ln and "errors.pydantic" not in ln]
+        lines = [ln.strip() for ln in d["error"].splitlines()
+                 if "rror" in ln and not ln.strip().startswith(("[", "For further", "File "))]
         return "ERROR: " + (lines[-1] if lines else d["error"].strip().splitlines()[-1])[:160]
     if v.match:
         return "MATCH"
@@ -383,12 +385,18 @@ def format_table(verdicts: list[Verdict]) -> str:
     return "\n".join(rows)
 
 
-def record_verdicts(head_dir: str | Path, verdicts: list[Verdict]) -> None:
-    """Write the matching verdicts into ``draftsmith.json`` (``referee``, keyed engine/format/k)."""
-    from draftsmith.export.metadata import update_metadata
+def record_verdicts(head_dir: str | Path, verdicts: list[Verdict], weights: dict | None = None) -> None:
+    """Write the matching verdicts into ``draftsmith.json`` (``referee``, keyed engine/format/k).
 
+    ``weights``: the metadata's {file: sha256} when the run began; when the head was re-exported since,
+    nothing is written (the verdicts are about weights that are no longer there)."""
+    from draftsmith.export.metadata import read_metadata, update_metadata
+
+    if weights is not None and read_metadata(head_dir).weights != weights:
+        raise RuntimeError(f"{head_dir} was re-exported while the referee ran; verdicts not recorded")
     entries = {v.key: {"engine": v.engine, "version": v.version, "format": v.format, "k": v.k,
                        "prompts": v.prompts, "match": v.match, "details": v.details,
+                       "weights": read_metadata(head_dir).weights,
                        "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                for v in verdicts if v.match}
     if entries:
@@ -424,7 +432,7 @@ def referee(head_dir: str | Path, target: str, prompts: list[list[int]], ks=(3, 
 
     target_path = reference.resolve(target)
     model, tokenizer = load_causal_lm(target_path, dtype=dtype)
-    head, _ = load_eagle3(head_dir, target_model=model, tokenizer=tokenizer)
+    head, meta = load_eagle3(head_dir, target_model=model, tokenizer=tokenizer)
     stop_ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     t0 = time.perf_counter()
     ours_plain, ours_spec = run_ours(model, tokenizer, head, prompts, ks, max_tokens, stop_ids)
@@ -455,7 +463,7 @@ def referee(head_dir: str | Path, target: str, prompts: list[list[int]], ks=(3, 
             verdict.details["served_model"] = res.get("served_model")
             verdicts.append(verdict)
     if record:
-        record_verdicts(head_dir, verdicts)
+        record_verdicts(head_dir, verdicts, weights=meta.weights)
     return verdicts, raw
 
 

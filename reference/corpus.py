@@ -37,6 +37,8 @@ HELDOUT_PERCENT = 10
 #: Third-party distributions whose sources form the `code-foreign` task.
 FOREIGN_DISTRIBUTIONS = ("accelerate", "tqdm", "starlette", "fastapi")
 RENAME_SUFFIXES = ("_value", "_obj", "_item", "_ref", "_data")
+#: Seed offset of the head-training prompts (``reference:train``), distinct from pretraining's seed 0.
+HEAD_DATA_SEED = 1000
 NEW_PARAMETERS = ("verbose=False", "timeout=None", "strict=True", "encoding=None", "debug=False")
 
 
