@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -392,11 +393,11 @@ def record_verdicts(head_dir: str | Path, verdicts: list[Verdict], weights: dict
     nothing is written (the verdicts are about weights that are no longer there)."""
     from draftsmith.export.metadata import read_metadata, update_metadata
 
-    if weights is not None and read_metadata(head_dir).weights != weights:
-        raise RuntimeError(f"{head_dir} was re-exported while the referee ran; verdicts not recorded")
+    current = read_metadata(head_dir).weights
+    if weights is not None and current != weights:
+        raise RuntimeError(f"{head_dir} was re-exported while the referee ran (its weights changed)")
     entries = {v.key: {"engine": v.engine, "version": v.version, "format": v.format, "k": v.k,
-                       "prompts": v.prompts, "match": v.match, "details": v.details,
-                       "weights": read_metadata(head_dir).weights,
+                       "prompts": v.prompts, "match": v.match, "details": v.details, "weights": current,
                        "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                for v in verdicts if v.match}
     if entries:
@@ -422,10 +423,25 @@ def referee(head_dir: str | Path, target: str, prompts: list[list[int]], ks=(3, 
             dtype: str = "float32", log_dir: Path | None = None) -> tuple[list[Verdict], dict]:
     """Steps 1-4 of the module docstring; returns the verdicts and the raw runs (for a JSON report).
 
-    ``log_dir``: keep each vLLM worker's log there (``plain.log``, ``{format}-k{k}.log``)."""
+    Both engines read a snapshot of ``head_dir`` taken (and checked) at the start, so a re-export
+    during the run cannot mix two heads. ``log_dir``: keep each vLLM worker's log there."""
     if log_dir:
         Path(log_dir).mkdir(parents=True, exist_ok=True)
     worker_log = (lambda name: Path(log_dir) / f"{name}.log") if log_dir else (lambda name: None)  # noqa: E731
+    with tempfile.TemporaryDirectory(prefix="referee-head-") as tmp:
+        snapshot = Path(tmp) / "head"
+        shutil.copytree(head_dir, snapshot)
+        verdicts, raw, weights = _referee(snapshot, target, prompts, ks, formats, max_tokens, python, log, dtype,
+                                          worker_log)
+    if record:
+        try:
+            record_verdicts(head_dir, verdicts, weights=weights)
+        except (RuntimeError, FileNotFoundError) as e:
+            log(f"verdicts not recorded: {e}")
+    return verdicts, raw
+
+
+def _referee(head_dir: Path, target, prompts, ks, formats, max_tokens, python, log, dtype, worker_log):
     from draftsmith import reference
     from draftsmith.export.check import load_eagle3
     from draftsmith.models import load_causal_lm
@@ -462,9 +478,7 @@ def referee(head_dir: str | Path, target: str, prompts: list[list[int]], ks=(3, 
             verdict = compare(fmt, k, version, ours_plain, ours_spec[k], vllm_plain, run, max_tokens)
             verdict.details["served_model"] = res.get("served_model")
             verdicts.append(verdict)
-    if record:
-        record_verdicts(head_dir, verdicts, weights=meta.weights)
-    return verdicts, raw
+    return verdicts, raw, meta.weights
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:

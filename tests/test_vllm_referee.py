@@ -140,6 +140,9 @@ def test_compare_and_record(tmp_path):
     record_verdicts(head_dir, [same, off])
     referee = read_metadata(head_dir).referee
     assert list(referee) == ["vllm/research/k3"] and referee["vllm/research/k3"]["match"] is True
+    assert referee["vllm/research/k3"]["weights"] == read_metadata(head_dir).weights
+    with pytest.raises(RuntimeError, match="re-exported"):      # verdicts about weights no longer there
+        record_verdicts(head_dir, [same], weights={"model.safetensors": "0" * 64})
 
 
 # --- with vLLM (opt-in) ----------------------------------------------------------------------------
