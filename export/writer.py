@@ -51,6 +51,13 @@ def _rope_keys(theta: float, scaling: dict | None) -> dict:
             "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta}}
 
 
+def _verifier_path(name_or_path: str | None) -> str | None:
+    """What vLLM can load as the verifier: draftsmith's aliases (``reference``) become their folders."""
+    from draftsmith import reference
+
+    return reference.resolve(name_or_path) if name_or_path else name_or_path
+
+
 def _layer_config(hc: dict, target_cfg: dict, dtype: str) -> dict:
     """The Llama-style geometry shared by both config formats."""
     theta, scaling = hc["rope_theta"], hc.get("rope_scaling")
@@ -109,7 +116,7 @@ def eagle3_speculators_config(hc: dict, target_cfg: dict, identity: dict, specul
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
                                   "verifier_accept_k": 1, "accept_tolerance": 0.0}],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": identity.get("name_or_path"),
+            "verifier": {"name_or_path": _verifier_path(identity.get("name_or_path")),
                          "architectures": list(identity.get("architectures") or [])},
         },
         "torch_dtype": dtype,
