@@ -76,6 +76,39 @@ def test_ttt_loss_decreases_and_masks(tiny_llama):
     assert none.step_count == [0, 0] and none.loss.item() == 0.0
 
 
+def test_prompt_loss_weight_scores_prompt_rows_but_never_padding(tiny_llama):
+    """w=0 is the assistant-only loss; w>0 changes it; padding (attention 0) never enters the loss."""
+    target = tiny_llama(seed=2)
+    torch.manual_seed(1)
+    ids = torch.randint(2, 96, (2, 16))
+    attn = torch.ones(2, 16, dtype=torch.long)
+    attn[1, 12:] = 0                                     # row 1: 12 real tokens, then padding
+    mask = torch.zeros(2, 16, dtype=torch.bool)
+    mask[:, 6:12] = True
+    with torch.no_grad():
+        out = target(input_ids=ids, output_hidden_states=True)
+    aux = torch.cat([out.hidden_states[i] for i in (1, 2, 3)], -1)
+    head = make_head(target)
+
+    def loss(w, ids=ids, aux=aux, logits=out.logits):
+        return ttt_loss(head, aux, ids, logits, mask, ttt_steps=3, attention_mask=attn, prompt_loss_weight=w)
+
+    base = ttt_loss(head, aux, ids, out.logits, mask, ttt_steps=3)
+    assert loss(0.0).loss.item() == pytest.approx(base.loss.item(), rel=1e-6)
+    assert loss(1.0).loss.item() != pytest.approx(base.loss.item(), rel=1e-3)
+    assert loss(1.0).step_acc == base.step_acc          # accuracy stays on assistant rows
+    # changing what sits in the padded tail of row 1 leaves every weighted loss unchanged
+    ids2, aux2, logits2 = ids.clone(), aux.clone(), out.logits.clone()
+    ids2[1, 12:] = 0
+    aux2[1, 12:] = 5.0
+    logits2[1, 12:] = torch.randn_like(logits2[1, 12:])
+    assert loss(0.5, ids2, aux2, logits2).loss.item() == pytest.approx(loss(0.5).loss.item(), rel=1e-5)
+    with pytest.raises(ValueError, match="attention_mask"):
+        ttt_loss(head, aux, ids, out.logits, mask, prompt_loss_weight=0.5)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        loss(1.5)
+
+
 def test_vocab_map_round_trip():
     torch.manual_seed(0)
     corpus = torch.randint(0, 50, (400,))

@@ -36,6 +36,7 @@ class HeadConfig:
     aux_layer_ids: list[int] | None = None   #: HF hidden-state indices; None = (2, N//2, N-3)
     ttt_steps: int = 7                       #: training-time-test unroll depth
     step_decay: float = 0.8                  #: loss weight of step i is step_decay**i
+    prompt_loss_weight: float = 0.0          #: weight of prompt positions in the distillation loss (train/ttt.py)
     init_from_target: bool = True            #: start lm_head/norm from the target's (warm start)
 
 
@@ -137,7 +138,8 @@ def train_eagle3(target, data: RenderedDataset, vocab_map: VocabMap, head_cfg: H
         ids, attn, mask = ids.to(accelerator.device), attn.to(accelerator.device), mask.to(accelerator.device)
         cap = capture(target, ids, raw_head.config.aux_layer_ids, attention_mask=attn)
         with accelerator.autocast():
-            out = ttt_loss(raw_head, cap.aux_hidden, ids, cap.target_logits, mask, step_decay=head_cfg.step_decay)
+            out = ttt_loss(raw_head, cap.aux_hidden, ids, cap.target_logits, mask, step_decay=head_cfg.step_decay,
+                           attention_mask=attn, prompt_loss_weight=head_cfg.prompt_loss_weight)
         accelerator.backward(out.loss)
         accelerator.clip_grad_norm_(head.parameters(), cfg.grad_clip)
         opt.step()

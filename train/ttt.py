@@ -8,10 +8,18 @@ Alignment (a_t = target aux states after reading x0..xt; the head's hidden at st
     label (i, t):  softmax of the target's logits at position t+1+i, restricted to the draft vocab
     valid (i, t):  t+1+i < T, token x_{t+2+i} is supervised (assistant), and the target's argmax at
                    t+1+i lies in the draft vocab
+    weight (i, t): 1 for valid rows; with ``prompt_loss_weight`` w > 0 also w for rows whose token
+                   x_{t+2+i} is a real but unsupervised (prompt/template) token
 
 Step i attends to the step-0 keys of positions <= t plus its own chain keys of steps 1..i
 (``heads.eagle3.HeadKV``), which is exactly what the runtime does with a chain of k drafts. Loss:
-sum_i 0.8^i * mean_valid soft-CE(q_i, p_i) (EAGLE-3 paper; SpecForge ``core/eagle3.py``).
+sum_i 0.8^i * weighted mean soft-CE(q_i, p_i) (EAGLE-3 paper; SpecForge ``core/eagle3.py``).
+
+``prompt_loss_weight`` (default 0: assistant tokens only, as EAGLE-3 and SpecForge train) extends the
+distillation to prompt positions. The label there is still the *target's* distribution, so the head
+still learns the target, not the dataset; what changes is that the inputs are text the target read
+rather than wrote. On small datasets this multiplies the supervised positions at no extra compute
+(every position is unrolled anyway). Accuracies are reported on assistant rows only.
 """
 from __future__ import annotations
 
@@ -41,17 +49,30 @@ def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
 
 
 def ttt_loss(head: Eagle3Head, aux_hidden: torch.Tensor, input_ids: torch.Tensor, target_logits: torch.Tensor,
-             loss_mask: torch.Tensor, ttt_steps: int | None = None, step_decay: float = 0.8) -> TTTOutput:
+             loss_mask: torch.Tensor, ttt_steps: int | None = None, step_decay: float = 0.8,
+             attention_mask: torch.Tensor | None = None, prompt_loss_weight: float = 0.0) -> TTTOutput:
     """TTT loss for one batch.
 
     aux_hidden [B, T, 3H], input_ids [B, T], target_logits [B, T, V], loss_mask [B, T] bool (token t is
-    supervised). Right padding is fine: padded tokens are unsupervised and only visible to later positions."""
+    supervised), attention_mask [B, T] (1 = real token; needed when ``prompt_loss_weight`` > 0, where
+    padding must not be scored). Right padding is fine: padded tokens are unsupervised and only visible
+    to later positions.
+
+    Raises ValueError if ``prompt_loss_weight`` is outside [0, 1] or given without ``attention_mask``."""
+    if not 0.0 <= prompt_loss_weight <= 1.0:
+        raise ValueError(f"prompt_loss_weight must be in [0, 1], got {prompt_loss_weight}")
+    if prompt_loss_weight > 0 and attention_mask is None:
+        raise ValueError("prompt_loss_weight > 0 needs the attention_mask (padding must not be scored)")
     steps = ttt_steps or head.config.ttt_steps
     draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=input_ids.device))
     target_argmax = target_logits.argmax(-1)                                          # [B, T]
     target_probs = torch.softmax(target_logits[..., draft_ids].float(), dim=-1)       # [B, T, Vd]
     in_draft = head.t2d[target_argmax]                                                # [B, T]
     predicts_supervised = shift_left(loss_mask.bool(), 1, False)                       # token t+1 supervised
+    row_weight = predicts_supervised.float()                                           # [B, T]
+    if prompt_loss_weight > 0:
+        predicts_real = shift_left(attention_mask.bool(), 1, False)
+        row_weight = torch.where(predicts_supervised, 1.0, prompt_loss_weight * predicts_real.float())
     kv = HeadKV()
     hidden = head.fuse(aux_hidden)                                                     # [B, T, H]
     total = hidden.new_zeros((), dtype=torch.float32)
@@ -59,15 +80,18 @@ def ttt_loss(head: Eagle3Head, aux_hidden: torch.Tensor, input_ids: torch.Tensor
     for i in range(steps):
         tokens = shift_left(input_ids, 1 + i, 0)                                       # x_{t+1+i}
         hidden, _ = head.step(hidden, tokens, kv, mode="prefix" if i == 0 else "chain", with_logits=False)
-        valid = shift_left(predicts_supervised & in_draft, 1 + i, False)               # [B, T]
-        n = int(valid.sum())
-        logits = head.logits(hidden[valid])                                            # [n, Vd], scored rows only
-        p = shift_left(target_probs, 1 + i, 0.0)[valid]                                # label at t+1+i, [n, Vd]
-        loss_i = soft_cross_entropy(logits, p).sum() / max(n, 1)
+        weight = shift_left(row_weight * in_draft, 1 + i, 0.0)                        # [B, T]
+        scored = weight > 0
+        supervised = shift_left(predicts_supervised & in_draft, 1 + i, False)[scored]  # [m] accuracy rows
+        w = weight[scored]                                                             # [m]
+        n = int(supervised.sum())
+        logits = head.logits(hidden[scored])                                           # [m, Vd], scored rows only
+        p = shift_left(target_probs, 1 + i, 0.0)[scored]                               # label at t+1+i, [m, Vd]
+        loss_i = (soft_cross_entropy(logits, p) * w).sum() / w.sum().clamp_min(1e-6)
         total = total + (step_decay ** i) * loss_i
         with torch.no_grad():
             pred = head.draft_to_target(logits.argmax(-1))
-            hits = int((pred == shift_left(target_argmax, 1 + i, -1)[valid]).sum())
+            hits = int(((pred == shift_left(target_argmax, 1 + i, -1)[scored]) & supervised).sum())
         step_loss.append(float(loss_i.detach()))
         step_acc.append(hits / max(n, 1))
         step_count.append(n)
