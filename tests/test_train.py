@@ -1,4 +1,6 @@
 """EAGLE-3 trainer: loss goes down, checkpoints resume to the same next batch and loss."""
+import random
+
 import pytest
 import torch
 
@@ -60,3 +62,20 @@ def test_resume_refuses_other_vocab_map(tiny_llama, tmp_path):
     with pytest.raises(ValueError, match="another vocab map"):
         train_eagle3(target, data, other, HeadConfig(ttt_steps=2, aux_layer_ids=[1, 2, 3]),
                      TrainConfig(max_steps=4, batch_size=4), tmp_path, pad_id=0)
+
+
+def test_length_grouped_batches_cover_the_epoch_once_with_less_padding():
+    from draftsmith.train.eagle3 import batches_for_epoch
+
+    rng = random.Random(0)
+    lengths = [rng.randint(10, 600) for _ in range(1003)]
+    for epoch in (0, 1):
+        grouped = batches_for_epoch(1003, 8, 3, epoch, lengths, megabatch=16)
+        assert sorted(i for b in grouped for i in b) == list(range(1003))
+        assert len(grouped) == len(batches_for_epoch(1003, 8, 3, epoch)) == 126
+        assert grouped == batches_for_epoch(1003, 8, 3, epoch, lengths, megabatch=16)   # pure function
+
+    def padded(batches):
+        return sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    assert padded(batches_for_epoch(1003, 8, 3, 0, lengths)) < 0.8 * padded(batches_for_epoch(1003, 8, 3, 0))

@@ -58,6 +58,7 @@ class TrainConfig:
     log_every: int = 10
     wandb_project: str | None = None         #: log to wandb (WANDB_MODE=offline works without network)
     mixed_precision: str = "no"              #: accelerate mixed precision for the head: no | bf16 | fp16
+    group_by_length: bool = False            #: batches of similar lengths (less padding; see batches_for_epoch)
 
 
 @dataclass
@@ -70,11 +71,26 @@ class TrainResult:
     seconds: float = 0.0
 
 
-def batches_for_epoch(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:
-    """Shuffled index batches of epoch ``epoch``; a pure function of (n, batch_size, seed, epoch)."""
+def batches_for_epoch(n: int, batch_size: int, seed: int, epoch: int,
+                      lengths: list[int] | None = None, megabatch: int = 32) -> list[list[int]]:
+    """Shuffled index batches of epoch ``epoch``; a pure function of its arguments.
+
+    With ``lengths`` (tokens per example) batches are grouped by length the way transformers'
+    ``LengthGroupedSampler`` does: the shuffled order is cut into mega-batches of ``megabatch``
+    batches, each sorted by length (longest first) and cut into batches, and the batches are shuffled.
+    Right padding then wastes little compute while the epoch still visits every example once."""
+    rng = random.Random(seed * 7919 + epoch)
     order = list(range(n))
-    random.Random(seed * 7919 + epoch).shuffle(order)
-    return [order[i:i + batch_size] for i in range(0, n, batch_size)]
+    rng.shuffle(order)
+    if lengths is None:
+        return [order[i:i + batch_size] for i in range(0, n, batch_size)]
+    span = batch_size * megabatch
+    batches = []
+    for m in range(0, n, span):
+        group = sorted(order[m:m + span], key=lambda i: -lengths[i])
+        batches += [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def build_head(target, vocab_map: VocabMap, cfg: HeadConfig) -> Eagle3Head:
@@ -117,6 +133,7 @@ def train_eagle3(target, data: RenderedDataset, vocab_map: VocabMap, head_cfg: H
     head = build_head(target, vocab_map, head_cfg)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     per_epoch = math.ceil(len(data) / cfg.batch_size)
+    lengths = [len(x) for x in data.input_ids] if cfg.group_by_length else None
     total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
     ckpt = out_dir / "checkpoint"
@@ -133,7 +150,7 @@ def train_eagle3(target, data: RenderedDataset, vocab_map: VocabMap, head_cfg: H
     step, t0, tokens = start, time.time(), 0
     while step < total:
         epoch, within = divmod(step, per_epoch)
-        idx = batches_for_epoch(len(data), cfg.batch_size, cfg.seed, epoch)[within]
+        idx = batches_for_epoch(len(data), cfg.batch_size, cfg.seed, epoch, lengths)[within]
         ids, attn, mask = pad_batch([data.input_ids[i] for i in idx], [data.loss_mask[i] for i in idx], pad_id)
         ids, attn, mask = ids.to(accelerator.device), attn.to(accelerator.device), mask.to(accelerator.device)
         cap = capture(target, ids, raw_head.config.aux_layer_ids, attention_mask=attn)
