@@ -2,11 +2,15 @@
 
 Steps:
   1. load and normalise conversations (``dataset.load_conversations``);
-  2. optionally regenerate every assistant turn with the target (``regenerate.regenerate``);
+  2. optionally regenerate every assistant turn with the target (``regenerate.regenerate``): in process
+     (batched transformers generate, or draftsmith's runtime) or through an OpenAI-compatible server
+     (vLLM) at ``regenerate_url``; finished batches go to ``regenerate.partial.jsonl``, so a killed
+     prepare resumes where it stopped;
   3. render with the target's chat template and assistant-only mask; refuse implausible masks;
   4. count supervised tokens -> top-Vd draft vocabulary (d2t/t2d), EOS always included;
   5. write ``conversations.jsonl``, ``vocab_map.safetensors`` and ``manifest.json`` (config, counts,
-     sha256 of every file, the target's identity) into the output folder, each atomically.
+     sha256 of every file, the target's identity) into the output folder, each atomically; then
+     delete the regeneration journal.
 A folder whose manifest was written by the same config is reused as is.
 """
 from __future__ import annotations
@@ -15,12 +19,13 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from safetensors.torch import load_file, save_file
 
-from draftsmith.config import to_dict
+from draftsmith.config import ConfigError, to_dict
 from draftsmith.data_pipeline.dataset import load_conversations, render_dataset
-from draftsmith.data_pipeline.regenerate import regenerate
+from draftsmith.data_pipeline.regenerate import make_answerer, regenerate
 from draftsmith.heads.vocab import VocabMap, build_vocab_map, count_tokens
 
 
@@ -33,11 +38,20 @@ class DataConfig:
     regenerate: bool = True                #: replace assistant turns by the target's own answers
     max_new_tokens: int = 192              #: per regenerated answer
     temperature: float = 0.0               #: 0 = greedy regeneration
-    batch_size: int = 16                   #: regeneration batch
+    batch_size: int = 16                   #: regeneration batch (server: requests in flight)
+    #: who answers: batched transformers generate in process, draftsmith's runtime in process (batch 1,
+    #: the path ``draftsmith serve`` decodes with), or an OpenAI-compatible server at regenerate_url
+    regenerate_engine: Literal["transformers", "draftsmith", "server"] = "transformers"
+    regenerate_url: str | None = None      #: server engine: base URL, e.g. http://127.0.0.1:8000 (vLLM)
     max_length: int = 768                  #: tokens per rendered conversation (truncated)
     draft_vocab_size: int | None = 4096    #: Vd; None = the whole target vocab (no d2t/t2d)
     heldout_conversations: int = 32        #: kept apart for in-loop acceptance
     seed: int = 0
+
+    def __post_init__(self):
+        if (self.regenerate_engine == "server") != (self.regenerate_url is not None):
+            raise ConfigError(f"data.regenerate_url is needed by, and only by, regenerate_engine 'server' "
+                              f"(engine {self.regenerate_engine!r}, url {self.regenerate_url!r})")
 
 
 @dataclass
@@ -70,9 +84,11 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
         return load_prepared(out)
     n = (cfg.num_conversations or 0) + cfg.heldout_conversations if cfg.num_conversations else None
     convs = load_conversations(cfg.source, limit=n, seed=cfg.seed)
+    journal = out / "regenerate.partial.jsonl"
     if cfg.regenerate:
-        convs = regenerate(target, tokenizer, convs, target_name, revision, cfg.max_new_tokens, cfg.temperature,
-                           cfg.batch_size, cfg.seed)
+        answerer = make_answerer(cfg.regenerate_engine, target, tokenizer, target_name, revision, cfg.regenerate_url)
+        convs = regenerate(answerer, convs, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+                           batch_size=cfg.batch_size, seed=cfg.seed, journal=journal)
     heldout, train = convs[: cfg.heldout_conversations], convs[cfg.heldout_conversations:]
     rendered = render_dataset(tokenizer, train, cfg.max_length)
     vocab_size = len(tokenizer)
@@ -97,6 +113,7 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
         "files": {p: _sha256(out / p) for p in ("conversations.jsonl", "heldout.jsonl", "vocab_map.safetensors")},
     }
     _write_atomic(manifest_path, json.dumps(manifest, indent=1))
+    journal.unlink(missing_ok=True)                 # the answers now live in conversations/heldout.jsonl
     return PreparedData(out, train, heldout, vmap, manifest)
 
 
