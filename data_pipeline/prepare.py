@@ -75,10 +75,20 @@ def _write_atomic(path: Path, text: str) -> None:
     tmp.replace(path)
 
 
+# fields added after folders were first prepared, with the value that reproduces the earlier behaviour
+LATER_FIELDS = {"regenerate_engine": "transformers", "regenerate_url": None}
+
+
+def _key_fields(cfg: DataConfig) -> dict:
+    """The config a prepared folder is keyed by; LATER_FIELDS at their old value are left out, so folders
+    prepared before those fields existed are still reused."""
+    return {k: v for k, v in to_dict(cfg).items() if k not in LATER_FIELDS or LATER_FIELDS[k] != v}
+
+
 def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, revision: str | None = None) -> PreparedData:
     """Run the steps of the module docstring into folder ``out`` (or reuse it); returns the data."""
     out.mkdir(parents=True, exist_ok=True)
-    key = json.dumps({"data": to_dict(cfg), "target": target_name, "revision": revision}, sort_keys=True)
+    key = json.dumps({"data": _key_fields(cfg), "target": target_name, "revision": revision}, sort_keys=True)
     manifest_path = out / "manifest.json"
     if manifest_path.exists() and json.loads(manifest_path.read_text()).get("key") == key:
         return load_prepared(out)

@@ -304,3 +304,10 @@ def test_prepare_resumes_a_killed_regeneration_and_finalises(target, chatml, tmp
     assert resumed.manifest["files"] == fresh.manifest["files"]
     assert not (out / "regenerate.partial.jsonl").exists()
     assert all(c["provenance"]["regenerated_by"]["engine"] == "draftsmith" for c in resumed.conversations)
+
+
+def test_folders_prepared_before_the_engine_fields_stay_valid():
+    from draftsmith.data_pipeline.prepare import _key_fields
+
+    assert not {"regenerate_engine", "regenerate_url"} & set(_key_fields(DataConfig()))
+    assert _key_fields(DataConfig(regenerate_engine="draftsmith"))["regenerate_engine"] == "draftsmith"
