@@ -39,7 +39,7 @@ class CaptureConfig:
 
     shard_size: int = 512                 #: conversations per shard
     batch_size: int = 8                   #: sequences per target forward
-    dtype: str | None = None              #: stored hidden-state dtype; None = the target's (recorded either way)
+    dtype: str | None = None              #: stored hidden-state dtype, recorded; must be target.dtype (None = it)
 
 
 @dataclass

@@ -25,6 +25,16 @@ at training time (``ShardReader.target_logits``), and [T, H] is V/H times smalle
 reproduces the target's own logits at the last position, so a target whose logits are not a plain
 lm_head of that state (softcapping, logit scaling) is refused instead of stored wrong.
 
+Dtype. The stored states are in the target's own dtype, which is what the runtime feeds the head
+(``inference.target.TargetModel`` returns aux states in the model's dtype): ``capture_dtype`` may only
+restate it, and ``ShardReader.check_target`` refuses a target that runs in another dtype than the
+capture was made in (bf16 states differ from fp32 states rounded to bf16).
+
+Validation. On write: the file's header (names, shapes, dtypes) against the planned layout, and every
+stored state finite (a NaN/inf names its conversation). On read: a shard's sha256 (``verify``), its
+header against its manifest entry (sequences, tokens, widths 3H and H, capture dtype), and each
+sequence read (shapes agree, ids inside the target's vocab, states finite).
+
 Steps of write_shards:
   1. refuse a folder whose manifest was written for other inputs (conversations, settings including
      batch_size, since padding changes the last bits, and the target's identity);
@@ -191,8 +201,11 @@ def _write_shard(target, tokenizer, conversations, *, index: int, lo: int, hi: i
             ids, attn, _ = pad_batch([s[1] for s in batch], [s[2] for s in batch], pad_id)   # [B, T]
             aux, final = capture_final(target, ids.to(device), aux_layer_ids, attn.to(device))
             aux, final = aux.to("cpu", dtype), final.to("cpu", dtype)          # one copy per batch
-            for row, (_, seq_ids, seq_mask) in enumerate(batch):
+            for row, (ci, seq_ids, seq_mask) in enumerate(batch):
                 t, j = seq_ids.numel(), b + row
+                if not (torch.isfinite(aux[row, :t]).all() and torch.isfinite(final[row, :t]).all()):
+                    raise ShardError(f"conversation {ci}: the target's hidden states hold NaN/inf in {dtype_name(dtype)} "
+                                     "(overflow? capture in the dtype the target is meant to run in)")
                 stream.write(f"{j}.input_ids", seq_ids)
                 stream.write(f"{j}.loss_mask", seq_mask)
                 stream.write(f"{j}.aux_hidden", aux[row, :t])                  # [T, 3H], padding cut off
@@ -253,9 +266,11 @@ def write_shards(target, tokenizer, conversations: list[dict], out_dir, aux_laye
     """Capture ``conversations`` through ``target`` into shards under ``out_dir``; returns the manifest.
 
     ``shard_size``: conversations per shard; ``batch_size``: sequences per target forward;
-    ``capture_dtype``: dtype of the stored hidden states (default: the target's; recorded either way).
+    ``capture_dtype``: the dtype of the stored hidden states, recorded in the manifest; it is the
+    target's (what the runtime feeds the head), and a different one raises ShardError.
     Follows the numbered steps of the module docstring. Raises ShardError when ``out_dir`` holds a
-    capture of other inputs or the target's logits cannot be recomputed from its final hidden state."""
+    capture of other inputs, the target's logits cannot be recomputed from its final hidden state, or
+    a state is NaN/inf."""
     if min(max_length, shard_size, batch_size) < 1:
         raise ValueError(f"max_length, shard_size and batch_size must be positive, got "
                          f"{max_length}, {shard_size}, {batch_size}")
@@ -264,6 +279,10 @@ def write_shards(target, tokenizer, conversations: list[dict], out_dir, aux_laye
     layers = check_aux_layer_ids(aux_layer_ids, target.config.get_text_config().num_hidden_layers)
     target_dtype = next(target.parameters()).dtype
     dtype = DTYPES[capture_dtype] if isinstance(capture_dtype, str) else (capture_dtype or target_dtype)
+    if dtype != target_dtype:
+        raise ShardError(f"capture dtype {dtype_name(dtype)} differs from the target's {dtype_name(target_dtype)}: "
+                         "the runtime feeds the head the target's own states, so load the target in the dtype it "
+                         f"will serve in (target.dtype: {dtype_name(dtype)}) instead of converting the states")
     identity = target_identity(target, tokenizer, target_name, revision)
     settings = {"aux_layer_ids": list(layers), "max_length": max_length, "shard_size": shard_size,
                 "batch_size": batch_size, "capture_dtype": dtype_name(dtype), "target_dtype": dtype_name(target_dtype),
@@ -280,7 +299,6 @@ def write_shards(target, tokenizer, conversations: list[dict], out_dir, aux_laye
                     "target": identity, "aux_layer_ids": list(layers), "aux_layer_convention": AUX_LAYER_CONVENTION,
                     "hidden_size": target.config.get_text_config().hidden_size,
                     "capture_dtype": dtype_name(dtype), "target_dtype": dtype_name(target_dtype),
-                    "capture_dtype_differs": dtype != target_dtype,
                     "final_hidden": "hidden_states[-1], after the final norm; target logits = lm_head(final_hidden)",
                     "tensors": {"{j}.input_ids": "int64 [T]", "{j}.loss_mask": "bool [T]",
                                 "{j}.aux_hidden": "capture_dtype [T, 3H]", "{j}.final_hidden": "capture_dtype [T, H]",
@@ -376,14 +394,46 @@ class ShardReader:
                                  "same inputs to recapture it")
             self._verified.add(k)
         handle = safe_open(str(path), framework="pt")
+        self._check_header(handle, entry)
         self._open_shard = (k, handle)
         return handle
 
+    def _check_header(self, f, entry: dict) -> None:
+        """A shard's tensors against its manifest entry: sequence count, token total, widths, dtypes."""
+        where = f"shard {entry['file']} in {self.folder}"
+        meta = f.metadata() or {}
+        if meta.get("capture_dtype") != self.manifest["capture_dtype"]:
+            raise ShardError(f"{where} holds {meta.get('capture_dtype')} states; the manifest says "
+                             f"{self.manifest['capture_dtype']}")
+        n = entry["sequences"]
+        if list(f.get_slice("conversation_index").get_shape()) != [n]:
+            raise ShardError(f"{where} does not hold the {n} sequences its manifest entry lists")
+        h, st_dtype, tokens = self.manifest["hidden_size"], ST_DTYPES[self.capture_dtype], 0
+        for j in range(n):
+            (t,) = f.get_slice(f"{j}.input_ids").get_shape()
+            for name, shape, dtype in (("loss_mask", [t], "BOOL"), ("aux_hidden", [t, 3 * h], st_dtype),
+                                       ("final_hidden", [t, h], st_dtype)):
+                piece = f.get_slice(f"{j}.{name}")
+                if list(piece.get_shape()) != shape or piece.get_dtype() != dtype:
+                    raise ShardError(f"{where}: {j}.{name} is {piece.get_dtype()} {piece.get_shape()}, expected "
+                                     f"{dtype} {shape}")
+            tokens += t
+        if tokens != entry["tokens"]:
+            raise ShardError(f"{where} holds {tokens} tokens; its manifest entry says {entry['tokens']}")
+
     def _read(self, k: int, j: int) -> CapturedSequence:
         f = self._shard(k)
-        return CapturedSequence(f.get_tensor(f"{j}.input_ids"), f.get_tensor(f"{j}.loss_mask"),
-                                f.get_tensor(f"{j}.aux_hidden"), f.get_tensor(f"{j}.final_hidden"),
-                                int(f.get_slice("conversation_index")[j:j + 1][0]))
+        seq = CapturedSequence(f.get_tensor(f"{j}.input_ids"), f.get_tensor(f"{j}.loss_mask"),
+                               f.get_tensor(f"{j}.aux_hidden"), f.get_tensor(f"{j}.final_hidden"),
+                               int(f.get_slice("conversation_index")[j:j + 1][0]))
+        vocab = self.manifest["target"].get("vocab_size")
+        ids = seq.input_ids
+        if ids.numel() and (int(ids.min()) < 0 or (vocab is not None and int(ids.max()) >= vocab)):
+            raise ShardError(f"sequence {j} of {self.shards[k]['file']}: token ids outside the target's vocab "
+                             f"0..{vocab}")
+        if not (torch.isfinite(seq.aux_hidden).all() and torch.isfinite(seq.final_hidden).all()):
+            raise ShardError(f"sequence {j} of {self.shards[k]['file']}: hidden states hold NaN/inf")
+        return seq
 
     def __getitem__(self, i: int) -> CapturedSequence:
         i = i + len(self) if i < 0 else i
@@ -398,13 +448,24 @@ class ShardReader:
                 yield self._read(k, j)
 
     def check_target(self, target, tokenizer=None) -> None:
-        """Raise ShardError unless ``target`` (and ``tokenizer``) are the ones the capture was made with."""
+        """Raise ShardError unless ``target`` (and ``tokenizer``) are the ones the capture was made with,
+        running in the capture's dtype (the runtime feeds the head states in the target's dtype).
+
+        ``target``: a transformers model or an ``inference.target.TargetModel`` (its ``.model``)."""
+        from draftsmith.inference.target import TargetModel
+
+        target = target.model if isinstance(target, TargetModel) else target
         now = target_identity(target, tokenizer)
         keys = ["architecture_sha256"] + (["tokenizer_sha256", "chat_template_sha256"] if tokenizer is not None else [])
         wrong = [k for k in keys if now[k] != self.manifest["target"].get(k)]
         if wrong:
             raise ShardError(f"{self.folder} was captured from {self.manifest['target'].get('name_or_path')!r}; "
                              f"this target differs in {', '.join(wrong)}")
+        dtype = next(target.parameters()).dtype
+        if dtype != self.capture_dtype:
+            raise ShardError(f"{self.folder} holds {self.manifest['capture_dtype']} states, but this target runs in "
+                             f"{dtype_name(dtype)}: the head would train on other states than the runtime feeds it; "
+                             f"load the target in {self.manifest['capture_dtype']} or capture again")
 
     @staticmethod
     @torch.no_grad()

@@ -80,7 +80,7 @@ def test_round_trip_equals_online_capture(target, chatml, tmp_path):
     assert manifest["skipped_conversations"] == 1 and manifest["truncated_conversations"] == too_long >= 1
     assert manifest["aux_layer_ids"] == list(AUX) and manifest["aux_layer_convention"] == "hf_hidden_states_index"
     assert manifest["target"] == target_identity(target, chatml, "tiny")
-    assert manifest["capture_dtype"] == manifest["target_dtype"] == "float32" and not manifest["capture_dtype_differs"]
+    assert manifest["capture_dtype"] == manifest["target_dtype"] == "float32"
     rendered = [render(chatml, CONVERSATIONS[i]["messages"], max_length=MAX_LENGTH) for i in SUPERVISED]
     assert manifest["num_tokens"] == sum(r.input_ids.numel() for r in rendered)
     assert manifest["num_supervised_tokens"] == sum(int(r.loss_mask.sum()) for r in rendered)
@@ -154,16 +154,23 @@ def test_corrupted_shard_is_refused_by_name_and_recaptured(target, chatml, tmp_p
     assert len(list(ShardReader(cap))) == len(SUPERVISED)
 
 
-def test_capture_dtype_is_recorded(target, chatml, tmp_path):
-    manifest = capture_into(target, chatml, tmp_path / "cap", capture_dtype="bfloat16", batch_size=1)
-    assert manifest["capture_dtype"] == "bfloat16" and manifest["target_dtype"] == "float32"
-    assert manifest["capture_dtype_differs"]
+def test_capture_dtype_is_the_targets_recorded_and_checked(target, chatml, tiny_llama, tmp_path):
+    bf16 = tiny_llama(seed=3, vocab_size=len(chatml)).to(torch.bfloat16)
+    manifest = capture_into(bf16, chatml, tmp_path / "cap", capture_dtype="bfloat16")
+    assert manifest["capture_dtype"] == manifest["target_dtype"] == "bfloat16"
     reader = ShardReader(tmp_path / "cap")
     assert reader.capture_dtype == torch.bfloat16
     seq = reader[0]
-    online = capture(target, seq.input_ids[None], AUX, attention_mask=torch.ones_like(seq.input_ids)[None])
+    online = capture(bf16, seq.input_ids[None], AUX, attention_mask=torch.ones_like(seq.input_ids)[None])
     assert seq.aux_hidden.dtype == seq.final_hidden.dtype == torch.bfloat16
-    assert torch.equal(seq.aux_hidden, online.aux_hidden[0].bfloat16())
+    assert torch.equal(seq.aux_hidden, online.aux_hidden[0])
+    reader.check_target(bf16, chatml)
+    with pytest.raises(ShardError, match="runs in float32"):        # same weights, served in another dtype
+        reader.check_target(target, chatml)
+    # states of an fp32 forward rounded to bf16 are not what a bf16 runtime computes: refused, not converted
+    with pytest.raises(ShardError, match="capture dtype bfloat16 differs from the target's float32"):
+        capture_into(target, chatml, tmp_path / "converted", capture_dtype="bfloat16")
+    assert not (tmp_path / "converted" / "manifest.json").exists()
 
 
 def test_other_inputs_in_the_same_folder_are_refused(target, chatml, tmp_path):
@@ -214,3 +221,118 @@ def test_streamed_safetensors_read_back(tmp_path):
     with pytest.raises(ValueError, match="never written"):
         with SafetensorsStream(tmp_path / "z.safetensors", layout) as stream:
             stream.write("a", tensors["a"])
+
+
+KILLED_CAPTURE = """
+import json, sys, time
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from draftsmith.data_pipeline import shards
+
+torch.set_num_threads(1)
+folder, out = sys.argv[1], sys.argv[2]
+model = AutoModelForCausalLM.from_pretrained(folder).eval()
+tokenizer = AutoTokenizer.from_pretrained(folder)
+conversations = [json.loads(line) for line in open(folder + "/conversations.jsonl")]
+real = shards.capture_final
+
+def slow(*args, **kwargs):          # leaves time to be killed in the middle of a shard
+    time.sleep(0.3)
+    return real(*args, **kwargs)
+
+shards.capture_final = slow
+shards.write_shards(model, tokenizer, conversations, out, aux_layer_ids=(0, 1, 2), max_length=40, shard_size=2,
+                    batch_size=1, target_name="tiny", progress=False)
+"""
+
+
+def test_sigkill_mid_capture_then_rerun_gives_the_same_manifest_and_shards(target, chatml, tmp_path):
+    """A real kill: a subprocess capturing is SIGKILLed inside its second shard; the rerun finishes
+    the capture without rewriting the first shard, and the folder equals an uninterrupted capture."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = tmp_path / "model"
+    target.save_pretrained(folder)
+    chatml.save_pretrained(folder)
+    (folder / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
+    model, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
+    kwargs = dict(aux_layer_ids=(0, 1, 2), max_length=40, shard_size=2, batch_size=1, target_name="tiny",
+                  progress=False)
+    cap = tmp_path / "cap"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CAPTURE, str(folder), str(cap)], env=env,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 600                  # a guard against hanging, not a timing assertion
+    try:
+        while time.monotonic() < deadline and child.poll() is None:
+            try:
+                done = json.loads((cap / "manifest.json").read_text())["shards"]
+            except (FileNotFoundError, json.JSONDecodeError):
+                done = []
+            if done and (cap / f"{shard_name(1)}.tmp").exists():
+                break
+            time.sleep(0.02)
+        assert child.poll() is None, f"the capture ended before it could be killed: {child.stderr.read().decode()}"
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        if child.poll() is None:
+            child.kill()
+        child.wait()
+        child.stderr.close()
+    assert child.returncode == -signal.SIGKILL
+    partial = json.loads((cap / "manifest.json").read_text())
+    assert not partial["complete"] and [e["index"] for e in partial["shards"]] == [0]
+    assert (cap / f"{shard_name(1)}.tmp").exists()                               # the shard it was writing
+    first = (cap / shard_name(0)).stat().st_mtime_ns
+
+    resumed = write_shards(model, tok, CONVERSATIONS, cap, **kwargs)
+    fresh = write_shards(model, tok, CONVERSATIONS, tmp_path / "fresh", **kwargs)
+    assert resumed == fresh and resumed["complete"]
+    assert (cap / shard_name(0)).stat().st_mtime_ns == first and not list(cap.glob("*.tmp"))
+    assert sorted(p.name for p in cap.iterdir()) == sorted(p.name for p in (tmp_path / "fresh").iterdir())
+    for entry in fresh["shards"]:
+        assert (cap / entry["file"]).read_bytes() == (tmp_path / "fresh" / entry["file"]).read_bytes()
+    assert (cap / "manifest.json").read_text() == (tmp_path / "fresh" / "manifest.json").read_text()
+
+
+def test_nan_states_are_refused_on_write_and_on_read(chatml, tiny_llama, tmp_path):
+    broken = tiny_llama(seed=3, vocab_size=len(chatml))
+    hook = broken.model.layers[1].register_forward_hook(lambda module, args, out: out * float("nan"))
+    with pytest.raises(ShardError, match=r"conversation \d: .*NaN/inf"):
+        capture_into(broken, chatml, tmp_path / "nan")
+    hook.remove()
+
+    cap = tmp_path / "cap"
+    manifest = capture_into(broken, chatml, cap)
+    path = cap / manifest["shards"][0]["file"]
+    data = bytearray(path.read_bytes())                  # the first stored float of aux_hidden -> NaN
+    header_len = int.from_bytes(data[:8], "little")
+    start = 8 + header_len + json.loads(data[8:8 + header_len])["0.aux_hidden"]["data_offsets"][0]
+    data[start:start + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    path.write_bytes(bytes(data))
+    with pytest.raises(ShardError, match="sha256"):
+        ShardReader(cap)[0]
+    with pytest.raises(ShardError, match="sequence 0 of shard-00000.safetensors: hidden states hold NaN"):
+        ShardReader(cap, verify=False)[0]
+
+
+def test_shard_that_disagrees_with_its_manifest_entry_is_refused(target, chatml, tmp_path):
+    cap = tmp_path / "cap"
+    manifest = capture_into(target, chatml, cap)
+    manifest["shards"][1]["tokens"] += 1
+    (cap / "manifest.json").write_text(json.dumps(manifest))
+    reader = ShardReader(cap, verify=False)
+    reader[0]
+    with pytest.raises(ShardError, match="shard-00001.safetensors .* holds .* tokens; its manifest entry says"):
+        list(reader)
+    manifest["shards"][1]["tokens"] -= 1
+    manifest["capture_dtype"] = "bfloat16"
+    (cap / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ShardError, match="holds float32 states; the manifest says bfloat16"):
+        ShardReader(cap, verify=False)[0]
