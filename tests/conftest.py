@@ -27,3 +27,31 @@ def make_tiny_llama(vocab_size: int = 96, hidden_size: int = 32, num_hidden_laye
 def tiny_llama():
     """Factory fixture: ``tiny_llama(seed=1, vocab_size=64)``."""
     return make_tiny_llama
+
+
+def make_word_tokenizer(vocab_size: int = 96, rename: dict | None = None,
+                        template: str | None = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"):
+    """A word-level tokenizer built in memory (``w0`` pad, ``w1`` eos, ``w2`` unk); ``rename={id: token}``
+    gives a different tokenizer of the same size."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(vocab_size)}
+    for i, tok in (rename or {}).items():
+        vocab = {k: v for k, v in vocab.items() if v != i} | {tok: i}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1", unk_token="w2")
+    tok.chat_template = template
+    return tok
+
+
+@pytest.fixture(scope="session")
+def word_tokenizer():
+    """Factory fixture: ``word_tokenizer(rename={40: "zz"})`` (see ``make_word_tokenizer``)."""
+    return make_word_tokenizer
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-vllm", action="store_true", default=False,
+                     help="run the opt-in vLLM referee tests (needs .venv-vllm; see bench/vllm_referee.py)")

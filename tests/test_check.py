@@ -15,24 +15,10 @@ from draftsmith.heads.vocab import build_vocab_map
 V = 96
 
 
-def make_tokenizer(rename=None, template="{% for m in messages %}{{ m.content }}{% endfor %}"):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(V)}
-    for i, tok in (rename or {}).items():
-        vocab = {k: v for k, v in vocab.items() if v != i} | {tok: i}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1", unk_token="w2")
-    tok.chat_template = template
-    return tok
-
-
 @pytest.fixture
-def exported(tiny_llama, tmp_path):
+def exported(tiny_llama, tmp_path, word_tokenizer):
     """(target, tokenizer, head_dir) for a head with a reduced vocab (Vd = 48)."""
-    target, tok = tiny_llama(seed=1), make_tokenizer()
+    target, tok = tiny_llama(seed=1), word_tokenizer()
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.from_target(target.config, draft_vocab_size=48))
     vm = build_vocab_map(torch.randint(0, 100, (V,)), 48)
@@ -98,9 +84,9 @@ def test_other_layer_count_and_architecture(exported, tiny_llama):
     assert "num_attention_heads: 4 vs 8" in msg
 
 
-def test_other_tokenizer_refused_then_overridden(exported, caplog):
+def test_other_tokenizer_refused_then_overridden(exported, caplog, word_tokenizer):
     target, _, head_dir = exported
-    other = make_tokenizer(rename={40: "zz"})
+    other = word_tokenizer(rename={40: "zz"})
     refusal(head_dir, target, other, "tokenizer_sha256", "tiny/llama")
     with caplog.at_level(logging.WARNING, logger="draftsmith.export.check"):
         report = check_head(head_dir, target, other, allow_mismatch=("tokenizer_sha256",))
@@ -111,22 +97,22 @@ def test_other_tokenizer_refused_then_overridden(exported, caplog):
         check_head(head_dir, target, other, allow_mismatch=("weights",))
 
 
-def test_all_mismatches_listed_together(exported, tiny_llama):
+def test_all_mismatches_listed_together(exported, tiny_llama, word_tokenizer):
     _, _, head_dir = exported
     with pytest.raises(HeadMismatchError) as err:
-        check_head(head_dir, tiny_llama(vocab_size=80, hidden_size=48), make_tokenizer(rename={3: "q"}))
+        check_head(head_dir, tiny_llama(vocab_size=80, hidden_size=48), word_tokenizer(rename={3: "q"}))
     assert all(f in str(err.value) for f in ("hidden_size", "vocab_size", "tokenizer_sha256"))
 
 
-def test_revision_and_chat_template_only_warn(exported, caplog):
+def test_revision_and_chat_template_only_warn(exported, caplog, word_tokenizer):
     target, _, head_dir = exported
     with caplog.at_level(logging.WARNING, logger="draftsmith.export.check"):
-        report = check_head(head_dir, target.config, make_tokenizer(template="{{ messages }}"),
+        report = check_head(head_dir, target.config, word_tokenizer(template="{{ messages }}"),
                             name_or_path="tiny/llama")
     assert any("chat_template_sha256" in w for w in report.warnings)
     assert "chat_template_sha256" in caplog.text
     target.config._commit_hash = "r2"
-    report = check_head(head_dir, target.config, make_tokenizer())
+    report = check_head(head_dir, target.config, word_tokenizer())
     assert any("revision" in w and "r1" in w and "r2" in w for w in report.warnings)
     report = check_head(head_dir, target.config, None)
     assert any("tokenizer" in w for w in report.warnings)

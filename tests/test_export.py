@@ -18,21 +18,6 @@ V = 96
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
 
-def make_tokenizer(vocab_size=V, rename=None, template=TEMPLATE):
-    """A word-level tokenizer built in memory; ``rename={id: token}`` makes a different one."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = {f"w{i}": i for i in range(vocab_size)}
-    for i, tok in (rename or {}).items():
-        vocab = {k: v for k, v in vocab.items() if v != i} | {tok: i}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="w2"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="w0", eos_token="w1", unk_token="w2")
-    tok.chat_template = template
-    return tok
-
-
 def make_head(target, draft_vocab_size=48, seed=0):
     """A head for ``target`` with random weights (norms too) and, when Vd < V, a vocab map."""
     cfg = Eagle3Config.from_target(target.config, draft_vocab_size=draft_vocab_size)
@@ -48,9 +33,9 @@ def make_head(target, draft_vocab_size=48, seed=0):
 
 
 @pytest.fixture
-def setup(tiny_llama, tmp_path):
+def setup(tiny_llama, tmp_path, word_tokenizer):
     target = tiny_llama(seed=1)
-    tok = make_tokenizer()
+    tok = word_tokenizer()
     head = make_head(target)
     ident = target_identity(target, tok, "tiny/llama", revision="r1")
     out = export_eagle3(head, tmp_path / "head", ident, target.config, training={"tokens": 123},
@@ -231,9 +216,9 @@ def test_export_refuses_head_of_another_target(tiny_llama, tmp_path):
                       formats=("vllm",))
 
 
-def test_target_identity(tiny_llama, tmp_path):
+def test_target_identity(tiny_llama, tmp_path, word_tokenizer):
     target = tiny_llama(seed=1)
-    tok = make_tokenizer()
+    tok = word_tokenizer()
     from_model = target_identity(target, tok, "t")
     target.config.save_pretrained(tmp_path)
     from_json = target_identity(json.loads((tmp_path / "config.json").read_text()), tok, "t")
@@ -241,10 +226,10 @@ def test_target_identity(tiny_llama, tmp_path):
     assert from_model["architecture_sha256"] == from_json["architecture_sha256"]
     assert from_model["architectures"] == ["LlamaForCausalLM"]
     assert (from_model["hidden_size"], from_model["num_hidden_layers"], from_model["vocab_size"]) == (32, 4, V)
-    assert from_model["tokenizer_sha256"] == target_identity(target, make_tokenizer(), "t")["tokenizer_sha256"]
-    assert from_model["tokenizer_sha256"] != target_identity(target, make_tokenizer(rename={50: "zz"}), "t")[
+    assert from_model["tokenizer_sha256"] == target_identity(target, word_tokenizer(), "t")["tokenizer_sha256"]
+    assert from_model["tokenizer_sha256"] != target_identity(target, word_tokenizer(rename={50: "zz"}), "t")[
         "tokenizer_sha256"]
-    assert target_identity(target, make_tokenizer(template=None), "t")["chat_template_sha256"] is None
+    assert target_identity(target, word_tokenizer(template=None), "t")["chat_template_sha256"] is None
     other_heads = tiny_llama(seed=1, num_attention_heads=8, num_key_value_heads=4)
     assert target_identity(other_heads, tok, "t")["architecture_sha256"] != from_model["architecture_sha256"]
 
