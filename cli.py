@@ -4,10 +4,10 @@
     draftsmith prepare RECIPE [key=value ...]         # conversations + vocab map -> runs/NAME/data
     draftsmith capture RECIPE [key=value ...]         # offline hidden-state shards -> runs/NAME/capture
     draftsmith train RECIPE [key=value ...]           # prepare, train, export -> runs/NAME/head
-    draftsmith export RUN_DIR --out DIR [--format draftsmith speculators]
+    draftsmith export RUN_DIR|HEAD --out DIR [--format draftsmith|vllm|sglang|speculators|all ...]
     draftsmith check HEAD --target T [--allow-mismatch FIELD ...] [--tensor-parallel-size N]
     draftsmith push HEAD --repo-id ORG/NAME [--private] [--revision BRANCH] [--dry-run]
-    draftsmith eval --head HEAD [--target T] [--methods ...] [--k 5] [--tasks ...]
+    draftsmith eval --head HEAD [--target T] [--methods ...] [--k 5] [--tasks ...] [--allow-mismatch FIELD ...]
     draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
     draftsmith serve --target T [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
 
@@ -75,18 +75,10 @@ def cmd_check(args) -> int:
     from draftsmith.models import load_causal_lm
 
     target, tokenizer = load_causal_lm(args.target, args.revision)
-    report = check_head(args.head, target.config, tokenizer, args.target, allow_mismatch=tuple(args.allow_mismatch))
+    report = check_head(args.head, target.config, tokenizer, args.target, allow_mismatch=tuple(args.allow_mismatch),
+                        tensor_parallel_size=args.tensor_parallel_size)
     print(report.summary())
     if args.tensor_parallel_size:
-        from draftsmith.export.tensor_parallel import tensor_parallel_problems
-
-        problems = (tensor_parallel_problems(report.metadata.head_config, args.tensor_parallel_size, "head")
-                    + tensor_parallel_problems(target.config.get_text_config().to_dict(), args.tensor_parallel_size,
-                                               "target"))
-        for p in problems:
-            print(f"tensor parallel: {p}", file=sys.stderr)
-        if problems:
-            return 1
         print(f"tensor parallel: head and target shard over {args.tensor_parallel_size} ranks")
     return 0
 
@@ -111,7 +103,7 @@ def cmd_eval(args) -> int:
     recipe.eval.k = args.k if args.k is not None else recipe.eval.k
     recipe.eval.prompts_per_task = args.prompts_per_task
     recipe.eval.max_new_tokens = args.max_new_tokens or recipe.eval.max_new_tokens
-    report = run_eval(recipe, Path(args.head) if args.head else None)
+    report = run_eval(recipe, Path(args.head) if args.head else None, allow_mismatch=tuple(args.allow_mismatch))
     print(format_table(report))
     print(f"report: {recipe.run_dir / 'eval' / 'report.json'}")
     return 0
@@ -160,10 +152,14 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         _add_recipe(p)
         p.set_defaults(fn=fn)
-    p = sub.add_parser("export", help="export a trained run's checkpoint as a head directory")
-    p.add_argument("run_dir")
+    p = sub.add_parser("export", help="export a trained run's checkpoint (or a head, in other formats) as a head "
+                                      "directory")
+    p.add_argument("run_dir", help="RUN_DIR (runs/NAME) or an exported head directory")
     p.add_argument("--out", required=True)
-    p.add_argument("--format", nargs="+", default=["draftsmith"], choices=["draftsmith", "speculators"])
+    p.add_argument("--format", nargs="+", default=["all"],
+                   choices=["draftsmith", "vllm", "sglang", "speculators", "all"],
+                   help="draftsmith (always written), vllm / sglang (the research config.json at DIR), "
+                        "speculators (DIR/speculators, for `vllm serve`), all")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("check", help="check a head against a target; exit 1 on mismatch")
     p.add_argument("head")
@@ -188,6 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=int, default=None)
     p.add_argument("--prompts-per-task", type=int, default=None, help="default: the whole task")
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD",
+                   help="target fields the head may differ in; logged and written into the eval report")
     p.set_defaults(fn=cmd_eval, overrides=[])
     p = sub.add_parser("generate", help="decode one prompt, with or without speculation")
     p.add_argument("--target", default="reference")

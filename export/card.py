@@ -1,51 +1,127 @@
-"""Model card (``README.md``) of an exported head: what it drafts for, how well, how to serve it."""
+"""Model card (``README.md``) of an exported head: what it drafts for, how well, how to serve it.
+
+    write_model_card("runs/eagle3/head", report, "runs/eagle3/eval/acceptance.png")   # after `draftsmith eval`
+    write_model_card("heads/eagle3")            # table from the held-out results in draftsmith.json
+
+Sections: front matter (library, tags, base_model), serve commands for every format the directory
+holds (draftsmith, vLLM and SGLang on the research layout, ``vllm serve`` on speculators/), the head's
+geometry, the held-out acceptance table (τ, acceptance rate, accepted per draft position; tokens/s and
+speedup when a full eval report is given), the acceptance-per-position plot, and the engines a
+referee run verified the head with (``draftsmith.json`` ``referee``).
+"""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
 
+from draftsmith.export.formats import SPECULATORS_DIR
 from draftsmith.export.metadata import read_metadata
 
+PLOT_FILE = "acceptance.png"
 
-def _table(report: dict) -> str:
-    methods = report["config"]["methods"]
-    rows = ["| task | method | τ | acceptance rate | tokens/s | speedup |", "|---|---|---|---|---|---|"]
+
+def _rows_from_report(report: dict) -> tuple[int, list[tuple[str, str, dict]]]:
+    """(k, [(task, method, row)]) from an ``inference.eval`` report (plain rows included)."""
+    rows = []
     for task, r in report["tasks"].items():
-        rows.append(f"| {task} | plain | – | – | {r['plain']['tokens_per_s']:.1f} | 1.00x |")
-        for m in methods:
-            x = r[m]
-            rows.append(f"| {task} | {m} | {x['tau']:.2f} | {x['acceptance_rate']:.1%} | {x['tokens_per_s']:.1f} "
-                        f"| {x['speedup']:.2f}x |")
-    return "\n".join(rows)
+        rows.append((task, "plain", r["plain"]))
+        rows += [(task, m, r[m]) for m in report["config"]["methods"] if m in r]
+    return int(report["config"]["k"]), rows
+
+
+def _rows_from_metadata(eval_record: dict) -> tuple[int | None, list[tuple[str, str, dict]]]:
+    """(k, rows) from the compact record ``pipeline.demo`` stores in draftsmith.json ``eval``."""
+    rows = [(task, m, r) for task, methods in (eval_record.get("tasks") or {}).items()
+            for m, r in methods.items() if isinstance(r, dict) and "tau" in r]
+    return eval_record.get("k"), rows
+
+
+def acceptance_table(rows: list[tuple[str, str, dict]], k: int | None) -> str:
+    """Markdown table: task, method, τ, acceptance rate, accepted at draft positions 1..k, and tokens/s
+    and speedup when the rows carry them (a full eval report)."""
+    timed = any("tokens_per_s" in r for _, m, r in rows if m != "plain")
+    k = k or max((len(r.get("accepted_per_pos") or []) for _, _, r in rows), default=0)
+    head = ["task", "method", "τ", "acceptance rate"] + [f"pos {i}" for i in range(1, k + 1)]
+    head += ["tokens/s", "speedup"] if timed else []
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for task, method, r in rows:
+        if method == "plain":
+            if timed:
+                cells = [task, "plain", "–", "–"] + ["–"] * k + [f"{r['tokens_per_s']:.1f}", "1.00x"]
+                lines.append("| " + " | ".join(cells) + " |")
+            continue
+        per = list(r.get("accepted_per_pos") or []) + [None] * k
+        cells = [task, method, f"{r['tau']:.2f}", f"{r['acceptance_rate']:.1%}"]
+        cells += ["–" if p is None else f"{p:.0%}" for p in per[:k]]
+        if timed:
+            cells += [f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _serve_lines(head_dir: Path, target: str, k: int) -> list[str]:
+    spec = f'{{"method": "eagle3", "model": "{head_dir}", "num_speculative_tokens": {k}}}'
+    lines = ["```bash", "# draftsmith (checks this head against the target before serving)",
+             f"draftsmith serve --target {target} --speculative-config '{spec}'",
+             "# vLLM and SGLang read this directory's config.json (research layout)",
+             f"vllm serve {target} --speculative-config '{spec}'",
+             f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
+             f"--speculative-draft-model-path {head_dir} --speculative-num-steps {k} "
+             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
+    if (head_dir / SPECULATORS_DIR / "config.json").is_file():
+        lines += ["# vLLM, speculators layout: the config names the target and k",
+                  f"vllm serve {head_dir / SPECULATORS_DIR}"]
+    return lines + ["```"]
+
+
+def _referee_lines(referee: dict) -> list[str]:
+    if not referee:
+        return []
+    lines = ["## Verified with", "", "Greedy outputs and accepted-per-position counters equal to draftsmith's "
+             "own runtime on held-out prompts (`bench/vllm_referee.py`):", "",
+             "| engine | version | format | k | prompts | match | checked |", "|---|---|---|---|---|---|---|"]
+    for v in sorted(referee.values(), key=lambda v: (v.get("engine", ""), v.get("format", ""), v.get("k", 0))):
+        lines.append(f"| {v.get('engine')} | {v.get('version')} | {v.get('format')} | {v.get('k')} | "
+                     f"{v.get('prompts')} | {'yes' if v.get('match') else 'no'} | {v.get('checked_at', '')} |")
+    return lines + [""]
 
 
 def write_model_card(head_dir: str | Path, report: dict | None = None, plot: str | Path | None = None) -> Path:
-    """Write ``head_dir/README.md`` (and copy the acceptance plot beside it); returns the card's path."""
+    """Write ``head_dir/README.md`` (and copy ``plot`` beside it as acceptance.png); returns the card's path.
+
+    ``report``: an ``inference.eval`` report (the table then has tokens/s and speedup); without one the
+    held-out results recorded in draftsmith.json ``eval`` are used. A plot already in the directory is
+    kept and linked. Raises FileNotFoundError when ``head_dir`` is not a head directory."""
     head_dir = Path(head_dir)
     meta = read_metadata(head_dir)
     target, head = meta.target, meta.head_config
+    name = target.get("name_or_path")
+    k, rows = _rows_from_report(report) if report else _rows_from_metadata(meta.eval or {})
     lines = [
         "---", "library_name: draftsmith", "tags: [speculative-decoding, eagle3]",
-        f"base_model: {target.get('name_or_path')}", "---", "",
-        f"# EAGLE-3 draft head for `{target.get('name_or_path')}`", "",
+        f"base_model: {name}", "---", "",
+        f"# EAGLE-3 draft head for `{name}`", "",
         "An EAGLE-3 head (one decoder layer over the target's low/mid/high hidden states, trained with "
         "training-time test) made with draftsmith. `draftsmith.json` records the target's identity, the "
         "training data and the sha256 of every weight file; `draftsmith check` refuses a mismatched target.", "",
-        "## Serve", "", "```bash",
-        f"draftsmith serve --target {target.get('name_or_path')} --speculative-config "
-        f"'{{\"method\": \"eagle3\", \"model\": \"{head_dir}\", \"num_speculative_tokens\": 5}}'",
-        f"vllm serve {target.get('name_or_path')} --speculative-config "
-        f"'{{\"method\": \"eagle3\", \"model\": \"<this repo>\", \"num_speculative_tokens\": 5}}'", "```", "",
+        "## Serve", "", *_serve_lines(head_dir, name, int(k or meta.ttt_steps)), "",
         "## Head", "",
-        f"- aux layers (HF hidden_states index): {head.get('aux_layer_ids')}",
+        f"- target: `{name}` ({', '.join(target.get('architectures') or [])}, {target.get('num_hidden_layers')} "
+        f"layers, hidden {target.get('hidden_size')}, vocab {target.get('vocab_size')})",
+        f"- aux layers (HF hidden_states index): {head.get('aux_layer_ids')}; SGLang numbering "
+        f"{[int(i) - 1 for i in head.get('aux_layer_ids') or []]}",
         f"- draft vocab: {head.get('draft_vocab_size')} of {head.get('vocab_size')} target tokens",
         f"- ttt_steps: {head.get('ttt_steps')}", "",
     ]
-    if report:
-        lines += [f"## Held-out acceptance (greedy, k = {report['config']['k']})", "", _table(report), ""]
-    if plot and Path(plot).exists():
-        shutil.copyfile(plot, head_dir / "acceptance.png")
-        lines += ["![acceptance per position](acceptance.png)", ""]
+    if rows:
+        lines += [f"## Held-out acceptance (greedy{f', k = {k}' if k else ''})", "",
+                  "τ = 1 + accepted / drafts; pos i = share of drafts whose i-th token was accepted.", "",
+                  acceptance_table(rows, k), ""]
+    if plot and Path(plot).is_file() and Path(plot).resolve() != (head_dir / PLOT_FILE).resolve():
+        shutil.copyfile(plot, head_dir / PLOT_FILE)
+    if (head_dir / PLOT_FILE).is_file():
+        lines += [f"![acceptance per draft position]({PLOT_FILE})", ""]
+    lines += _referee_lines(meta.referee)
     path = head_dir / "README.md"
     tmp = path.with_name("README.md.tmp")
     tmp.write_text("\n".join(lines))

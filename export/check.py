@@ -2,24 +2,35 @@
 
     report = check_head("runs/eagle3/head", target.config, tokenizer)       # `draftsmith check`
     head, meta = load_eagle3("runs/eagle3/head", target_model=target, tokenizer=tokenizer)
+    head, meta = load_eagle3("runs/eagle3/head/speculators", target_model=target)  # a format's own weights
 
 Both refuse (``HeadMismatchError``, a ValueError whose message names the field, both values and the
 fix) when:
 1. ``draftsmith.json`` has a ``format_version`` newer than this runtime, or an unknown aux-layer
-   convention;
+   convention; its ``head_config`` holds an unknown field or a norm flag this runtime does not
+   implement (``norm_before_residual: true``);
 2. a weight file listed in the metadata is missing or its sha256 differs (corrupted / modified);
-3. a tensor is missing, unexpected or of the wrong shape for the head's geometry; the draft vocab
-   is reduced (Vd < V) but ``d2t`` is absent; ``d2t`` maps outside [0, V) or maps two draft ids to
-   one target id; ``t2d`` disagrees with ``d2t``;
-4. aux layer ids fall outside the target's layers [0, N-1] (HF hidden_states index);
-5. the target differs from the one recorded: model_type, architectures, hidden_size,
-   num_hidden_layers, vocab_size, architecture_sha256 (heads, rope, eps, ...), tokenizer_sha256.
-Step 5 fields can be overridden by name (``allow_mismatch=("tokenizer_sha256",)``, CLI
-``--allow-mismatch``); overrides are logged and listed in the report. A different revision or chat
-template only warns. Nothing in steps 1-4 can be overridden: such a head is broken, not foreign.
+3. a tensor is missing (e.g. ``lm_head.weight``), unexpected or of the wrong shape for the head's
+   geometry; the draft vocab is reduced (Vd < V) but ``d2t`` is absent; ``d2t`` maps outside [0, V) or
+   maps two draft ids to one target id; ``t2d`` disagrees with ``d2t``;
+4. an engine config in the directory (``config.json``, ``speculators/config.json``) would make vLLM or
+   SGLang build another head than the one recorded: another method (architectures /
+   ``speculators_model_type``), an unknown or unsupported norm flag, other aux layers in that engine's
+   numbering, geometry, vocab sizes, biases, RoPE (``export.formats.engine_problems``);
+5. aux layer ids fall outside the target's layers [0, N-1] (HF hidden_states index);
+6. the target differs from the one recorded: model_type, architectures, hidden_size,
+   num_hidden_layers, vocab_size, architecture_sha256 (heads, rope, eps, ...), tokenizer_sha256;
+7. (``tensor_parallel_size=N``) head or target does not shard over N ranks (heads, KV heads,
+   intermediate size), every failing size named.
+Step 6 fields can be overridden by name (``allow_mismatch=("tokenizer_sha256",)``, CLI
+``--allow-mismatch``); overrides are logged, listed in the report with both values
+(``CheckReport.record()``, which ``draftsmith eval`` writes into its report). A different revision or
+chat template only warns. Nothing in steps 1-5 can be overridden: such a head is broken, not foreign.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +39,8 @@ from typing import Any
 import torch
 
 from draftsmith.export.identity import file_sha256, sha256_bytes, target_identity, tensor_sha256
-from draftsmith.export.metadata import (KNOWN_AUX_CONVENTIONS, HeadMetadata, HeadMismatchError, read_metadata)
+from draftsmith.export.metadata import (KNOWN_AUX_CONVENTIONS, METADATA_FILE, HeadMetadata, HeadMismatchError,
+                                        read_metadata)
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +52,8 @@ OVERRIDABLE_FIELDS = ("model_type", "architectures", "hidden_size", "num_hidden_
 WARN_FIELDS = ("revision", "chat_template_sha256")
 
 __all__ = ["CheckReport", "HeadMismatchError", "check_head", "load_eagle3", "expected_weight_shapes",
-           "validate_vocab_map", "validate_aux_layer_ids", "OVERRIDABLE_FIELDS"]
+           "validate_vocab_map", "validate_aux_layer_ids", "validate_head_config", "check_engine_configs",
+           "resolve_head_dir", "OVERRIDABLE_FIELDS"]
 
 
 @dataclass
@@ -51,6 +64,17 @@ class CheckReport:
     overridden: list[str] = field(default_factory=list)   # allow_mismatch fields that did differ
     warnings: list[str] = field(default_factory=list)
     checked_target: bool = True                            # False: integrity only (no target given)
+    override_values: dict = field(default_factory=dict)    # field -> {"head": recorded, "target": actual}
+    allow_mismatch: tuple[str, ...] = ()                   # what the caller allowed
+    tensor_parallel_size: int | None = None                # checked layout, when asked
+
+    def record(self) -> dict:
+        """The check as plain data for an eval record: head, target, allowed and overridden fields with
+        both values, warnings."""
+        return {"head": str(self.head_dir), "target": self.metadata.target.get("name_or_path"),
+                "checked_target": self.checked_target, "allow_mismatch": list(self.allow_mismatch),
+                "overridden": [{"field": f, **self.override_values.get(f, {})} for f in self.overridden],
+                "warnings": list(self.warnings), "tensor_parallel_size": self.tensor_parallel_size}
 
     def summary(self) -> str:
         m = self.metadata
@@ -58,7 +82,9 @@ class CheckReport:
                    else "is intact (no target given)")
         lines = [f"OK: {self.head_dir} ({m.head_type}, draft vocab {m.draft_vocab_size}, aux layers "
                  f"{m.aux_layer_ids} [{m.aux_layer_convention}]) {verdict}"]
-        lines += [f"  overridden: {name}" for name in self.overridden]
+        lines += [f"  overridden: {name} (head {self.override_values[name]['head']!r}, target "
+                  f"{self.override_values[name]['target']!r})" if name in self.override_values
+                  else f"  overridden: {name}" for name in self.overridden]
         lines += [f"  warning: {w}" for w in self.warnings]
         return "\n".join(lines)
 
@@ -159,9 +185,10 @@ def validate_aux_layer_ids(aux_layer_ids, convention: str, num_hidden_layers: in
 
 
 def _compare_target(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...], where: str
-                    ) -> tuple[list[str], list[str]]:
-    """Refusals (collected, raised together), overrides and warnings for the identity fields."""
-    problems, overridden, warnings = [], [], []
+                    ) -> tuple[dict, list[str]]:
+    """Refusals (collected, raised together), overrides ({field: {head, target}}) and warnings for the
+    identity fields."""
+    problems, overridden, warnings = [], {}, []
     name = recorded.get("name_or_path")
     for key in OVERRIDABLE_FIELDS:
         want, got = recorded.get(key), actual.get(key)
@@ -176,7 +203,7 @@ def _compare_target(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...
         if want == got:
             continue
         if key in allow_mismatch:
-            overridden.append(key)
+            overridden[key] = {"head": want, "target": got}
             logger.warning("%s: overriding %s mismatch (head %r, target %r) as asked", where, key, want, got)
             continue
         detail = ""
@@ -200,30 +227,102 @@ def _compare_target(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...
     return overridden, warnings
 
 
+def validate_head_config(head_config: dict, where: str = "head") -> None:
+    """The metadata's ``head_config`` builds an ``Eagle3Config`` this runtime implements: no unknown
+    field, no unknown norm flag, no norm switch other than the original EAGLE-3 layout."""
+    from draftsmith.export.formats import NOT_NORM_FLAGS, SUPPORTED_NORM_FLAGS
+    from draftsmith.heads.eagle3 import Eagle3Config
+
+    known = {f.name for f in dataclasses.fields(Eagle3Config)}
+    norms = sorted(k for k in set(head_config) - known if "norm" in k.lower() and k not in NOT_NORM_FLAGS)
+    if norms:
+        raise HeadMismatchError("norm_flags", f"{where}: norm_flags: head_config has unknown norm flag(s) "
+                                f"{', '.join(f'{k}={head_config[k]!r}' for k in norms)}; this runtime knows "
+                                f"{', '.join(SUPPORTED_NORM_FLAGS)}. Fix: upgrade draftsmith, or re-export the head.")
+    unknown = sorted(set(head_config) - known)
+    if unknown:
+        raise HeadMismatchError("head_config", f"{where}: head_config: unknown field(s) {', '.join(unknown)}. "
+                                f"Fix: upgrade draftsmith (the head was written by a newer one), or re-export it.")
+    for key, supported in SUPPORTED_NORM_FLAGS.items():
+        if key in head_config and bool(head_config[key]) != supported:
+            raise HeadMismatchError(key, f"{where}: {key}: head_config has {head_config[key]!r}, this runtime "
+                                    f"implements only {supported!r} (the original EAGLE-3 layout, the one every "
+                                    f"engine serves). Fix: serve this head with an engine that implements it, or "
+                                    f"retrain with {key}={supported}.")
+
+
+def check_engine_configs(head_dir: Path, meta: HeadMetadata, target_num_layers: int | None,
+                         where: str) -> None:
+    """Step 4: every engine config in ``head_dir`` read as its engines read it equals the recorded head.
+
+    The research ``config.json`` must exist (vLLM and SGLang load the directory through it); other
+    format directories are checked when present. Raises HeadMismatchError listing every difference."""
+    from draftsmith.export.formats import CONFIG_READERS, ENGINE_NAMES, engine_problems
+
+    for rel, engines in CONFIG_READERS.items():
+        path = head_dir / rel
+        if not path.is_file():
+            if rel == "config.json":
+                raise HeadMismatchError("config", f"{where}: config: no config.json, which vLLM and SGLang read. "
+                                        f"Fix: re-export the head with `draftsmith export`.")
+            continue
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise HeadMismatchError("config", f"{where}: config: {rel} cannot be read ({e}). Fix: re-export the "
+                                    f"head.") from e
+        problems = []
+        for engine in engines:
+            problems += [(f, f"{rel} as {ENGINE_NAMES[engine]}: {m}")
+                         for f, m in engine_problems(engine, cfg, meta.head_config, meta.head_type, target_num_layers)]
+        if problems:
+            raise HeadMismatchError(problems[0][0], f"{where}: {rel} disagrees with draftsmith.json (the head that "
+                                    f"was trained; engines read the config):\n  - " +
+                                    "\n  - ".join(m for _, m in problems) +
+                                    "\nFix: re-export the head with `draftsmith export`; never edit an exported "
+                                    "config by hand.")
+
+
+def resolve_head_dir(path: str | Path) -> tuple[Path, str | None]:
+    """(export root, format sub-directory or None): ``HEAD/speculators`` resolves to (HEAD, "speculators")."""
+    from draftsmith.export.formats import FORMAT_DIRS
+
+    path = Path(path)
+    subdirs = {d for d in FORMAT_DIRS.values() if d}
+    if not (path / METADATA_FILE).is_file() and path.name in subdirs and (path.parent / METADATA_FILE).is_file():
+        return path.parent, path.name
+    return path, None
+
+
 def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_path: str | None,
-           allow_mismatch) -> tuple[CheckReport, dict[str, torch.Tensor]]:
-    """All checks of the module docstring; returns the report and the verified state dict."""
+           allow_mismatch, tensor_parallel_size: int | None = None) -> tuple[CheckReport, dict[str, torch.Tensor]]:
+    """All checks of the module docstring; returns the report and the verified state dict (of the format
+    sub-directory's own weight file when ``head_dir`` is one, under our export names)."""
     from safetensors.torch import load as load_safetensors
 
-    head_dir = Path(head_dir)
+    given = Path(head_dir)
+    head_dir, sub = resolve_head_dir(given)
     allow_mismatch = tuple(allow_mismatch)
     unknown = sorted(set(allow_mismatch) - set(OVERRIDABLE_FIELDS))
     if unknown:
         raise ValueError(f"allow_mismatch: unknown field(s) {unknown}; fields that can be overridden: "
                          f"{', '.join(OVERRIDABLE_FIELDS)}")
     meta = read_metadata(head_dir)
-    where = str(head_dir)
-    # 2. weight files: present, sha256 as recorded (the main file is read once, hashed, then parsed)
-    if WEIGHTS_FILE not in meta.weights:
-        raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no {WEIGHTS_FILE}. "
-                                f"Fix: re-export.")
+    where = str(given)
+    # 1. the recorded head is one this runtime implements
+    validate_head_config(meta.head_config, where)
+    # 2. weight files: present, sha256 as recorded (the loaded file is read once, hashed, then parsed)
+    load_rel = f"{sub}/{WEIGHTS_FILE}" if sub else WEIGHTS_FILE
+    if load_rel not in meta.weights:
+        raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no {load_rel}. "
+                                f"Fix: re-export{f' with --format {sub}' if sub else ''}.")
     data = b""
     for rel, want in sorted(meta.weights.items()):
         path = head_dir / rel
         if not path.is_file():
             raise HeadMismatchError("weights", f"{where}: weights: file {rel} is missing. Fix: re-export or "
                                     f"re-download the head directory.")
-        if rel == WEIGHTS_FILE:
+        if rel == load_rel:
             data = path.read_bytes()
             got = sha256_bytes(data)
         else:
@@ -235,8 +334,10 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
     try:
         sd = load_safetensors(data)
     except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
-        raise HeadMismatchError("weights", f"{where}: weights: {WEIGHTS_FILE} cannot be read ({e}). "
+        raise HeadMismatchError("weights", f"{where}: weights: {load_rel} cannot be read ({e}). "
                                 f"Fix: re-export.") from e
+    if sub:   # speculators layout: layers.0.* -> our midlayer.*
+        sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
     # 3. tensors against the geometry; d2t against its recorded hash
     validate_state_dict(sd, meta.head_config, where)
     got_d2t = tensor_sha256(sd["d2t"]) if "d2t" in sd else None
@@ -246,8 +347,8 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
     if list(meta.aux_layer_ids) != list(meta.head_config.get("aux_layer_ids", meta.aux_layer_ids)):
         raise HeadMismatchError("aux_layer_ids", f"{where}: aux_layer_ids {meta.aux_layer_ids} disagree with "
                                 f"head_config {meta.head_config.get('aux_layer_ids')}. Fix: re-export the head.")
-    # 5. target identity first (its message names the field that differs), then 4. aux layers in range
-    overridden, warnings = [], []
+    # 6. target identity first (its message names the field that differs), then 5. aux layers in range
+    overridden, warnings = {}, []
     actual = target_identity(target_config, tokenizer, name_or_path) if target_config is not None else None
     if actual is None:
         warnings.append("no target given: only the head's own integrity was checked")
@@ -258,22 +359,47 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
         overridden, warnings = _compare_target(meta.target, actual, allow_mismatch, where)
     validate_aux_layer_ids(meta.aux_layer_ids, meta.aux_layer_convention,
                            actual["num_hidden_layers"] if actual else None, where)
-    return CheckReport(head_dir, meta, overridden, warnings, checked_target=actual is not None), sd
+    # 4. engine configs (after the target: an engine's default aux layers depend on the target's depth)
+    check_engine_configs(head_dir, meta, (actual or meta.target).get("num_hidden_layers"), where)
+    # 7. tensor-parallel layout
+    if tensor_parallel_size is not None:
+        _check_tensor_parallel(meta.head_config, target_config, tensor_parallel_size, where)
+    report = CheckReport(head_dir, meta, list(overridden), warnings, checked_target=actual is not None,
+                         override_values=overridden, allow_mismatch=allow_mismatch,
+                         tensor_parallel_size=tensor_parallel_size)
+    return report, sd
+
+
+def _check_tensor_parallel(head_config: dict, target_config: Any, tp_size: int, where: str) -> None:
+    """Step 7: HeadMismatchError naming every size of the head (and target, when given) that does not shard."""
+    from draftsmith.export.identity import config_dict
+    from draftsmith.export.tensor_parallel import tensor_parallel_problems
+
+    problems = tensor_parallel_problems(head_config, tp_size, "head")
+    if target_config is not None:
+        problems += tensor_parallel_problems(config_dict(target_config), tp_size, "target")
+    if problems:
+        raise HeadMismatchError("tensor_parallel_size", f"{where}: tensor_parallel_size {tp_size} does not fit:\n"
+                                f"  - " + "\n  - ".join(problems) + "\nFix: choose a tensor-parallel size that "
+                                f"divides these sizes (1 always does).")
 
 
 def check_head(head_dir: str | Path, target_config: Any, tokenizer: Any = None, name_or_path: str | None = None,
-               allow_mismatch=()) -> CheckReport:
+               allow_mismatch=(), tensor_parallel_size: int | None = None) -> CheckReport:
     """Run every check of the module docstring against ``target_config`` (a model, config or dict;
-    None checks the head's integrity only). Raises HeadMismatchError on refusal."""
-    report, _ = _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch)
+    None checks the head's integrity only). ``tensor_parallel_size``: also check the sharded layout.
+    Raises HeadMismatchError on refusal, ValueError for an unknown ``allow_mismatch`` field."""
+    report, _ = _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch, tensor_parallel_size)
     return report
 
 
 def load_eagle3(head_dir: str | Path, target_model: Any = None, tokenizer: Any = None, allow_mismatch=()):
     """Check (as ``check_head``) then build the head: returns ``(Eagle3Head, HeadMetadata)``.
 
-    With a ``target_model`` the head is bound to its input embedding, ready to draft.
-    The weights are hashed and parsed from the same bytes, so what was verified is what is loaded."""
+    ``head_dir`` is an export root or one of its format sub-directories (``HEAD/speculators``: that
+    format's own weight file is loaded, checked against the root's metadata). With a ``target_model``
+    the head is bound to its input embedding, ready to draft. The weights are hashed and parsed from
+    the same bytes, so what was verified is what is loaded."""
     from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 
     report, sd = _check(head_dir, target_model, tokenizer, None, allow_mismatch)

@@ -2,25 +2,21 @@
 
     ident = target_identity(target, tokenizer, "meta-llama/Llama-3.1-8B-Instruct")
     export_eagle3(head, "runs/eagle3/head", ident, target.config, training={"tokens": 12_000_000},
-                  formats=("draftsmith", "speculators"))
+                  formats=("all",))
+    reexport_head("runs/eagle3/head", "heads/eagle3", formats=("all",))   # another layout of the same head
 
 Layout of ``out_dir`` (everything is written to a temp directory beside it, fsynced, then renamed
-into place, so a reader never sees a half-written head):
+into place, so a reader never sees a half-written head; formats in ``export/formats.py``):
     model.safetensors   fc / midlayer.* / norm / lm_head (+ d2t, t2d when Vd < V); no ``model.``
                         prefix, no biases, no embedding
-    config.json         ``LlamaForCausalLMEagle3`` config read by SGLang and by vLLM ``method: eagle3``
+    config.json         the research config (``LlamaForCausalLMEagle3``) read by vLLM ``method: eagle3``
+                        and by SGLang ``EAGLE3``: formats vllm and sglang are this directory
     draftsmith.json     our metadata (export/metadata.py), with the sha256 of every weight file
     speculators/        (format "speculators") config.json + model.safetensors (``layers.0.*``)
                         for ``vllm serve out_dir/speculators``
 
-Engine facts the config follows (read in their source; see the export issue for file names):
-- vLLM and SGLang size ``fc`` as 3 * ``target_hidden_size`` when the key exists (a null crashes
-  both), and SGLang gives ``fc`` a bias when a key ``bias`` is truthy: so we write
-  ``target_hidden_size`` = H and no key named ``bias``.
-- aux layers: vLLM reads top-level ``eagle_aux_hidden_state_layer_ids`` as HF hidden_states
-  indices; SGLang reads ``eagle_config.eagle_aux_hidden_state_layer_ids`` and adds one. We write both,
-  always (vLLM warns and falls back to its default when the ids are absent).
-- vLLM's speculators path defaults ``norm_before_residual`` to true when absent: written explicitly.
+Before the directory is installed, every config written is read back the way its engines read it
+(``formats.engine_problems``): an export that an engine would build differently is never written.
 """
 from __future__ import annotations
 
@@ -34,93 +30,24 @@ from typing import Any
 import torch
 
 from draftsmith.export.check import WEIGHTS_FILE, validate_aux_layer_ids, validate_state_dict
+from draftsmith.export.formats import (CONFIG_READERS, FORMATS, SPECULATORS_DIR, engine_problems, expand_formats,
+                                       research_config, speculators_config, speculators_weights)
 from draftsmith.export.identity import config_dict, file_sha256, rope_settings, tensor_sha256
-from draftsmith.export.metadata import (AUX_LAYER_CONVENTION, METADATA_FILE, HeadMetadata, write_json_atomic,
-                                        write_metadata)
+from draftsmith.export.metadata import (AUX_LAYER_CONVENTION, METADATA_FILE, HeadMetadata, read_metadata,
+                                        write_json_atomic, write_metadata)
 
 logger = logging.getLogger(__name__)
 
-FORMATS = ("draftsmith", "speculators")
-SPECULATORS_DIR = "speculators"
+__all__ = ["FORMATS", "SPECULATORS_DIR", "export_eagle3", "reexport_head"]
 
 
-def _rope_keys(theta: float, scaling: dict | None) -> dict:
-    """RoPE in both spellings: ``rope_theta``/``rope_scaling`` (transformers 4, older engines) and
-    ``rope_parameters`` (transformers 5); transformers 5 prefers the latter when both are present."""
-    return {"rope_theta": theta, "rope_scaling": scaling,
-            "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta}}
-
-
-def _verifier_path(name_or_path: str | None) -> str | None:
+def _verifier(identity: dict) -> dict:
     """What vLLM can load as the verifier: draftsmith's aliases (``reference``) become their folders."""
     from draftsmith import reference
 
-    return reference.resolve(name_or_path) if name_or_path else name_or_path
-
-
-def _layer_config(hc: dict, target_cfg: dict, dtype: str) -> dict:
-    """The Llama-style geometry shared by both config formats."""
-    theta, scaling = hc["rope_theta"], hc.get("rope_scaling")
-    return {
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": hc["hidden_size"],
-        "intermediate_size": hc["intermediate_size"],
-        "num_attention_heads": hc["num_attention_heads"],
-        "num_key_value_heads": hc["num_key_value_heads"],
-        "head_dim": hc["head_dim"],
-        "hidden_act": hc.get("hidden_act", "silu"),
-        "rms_norm_eps": hc["rms_norm_eps"],
-        "vocab_size": hc["vocab_size"],
-        "max_position_embeddings": max(int(hc["max_position_embeddings"]),
-                                       int(target_cfg.get("max_position_embeddings") or 0)),
-        **_rope_keys(float(theta), scaling),
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "torch_dtype": dtype,
-    }
-
-
-def eagle3_engine_config(hc: dict, target_cfg: dict, dtype: str = "float32") -> dict:
-    """config.json for SGLang and vLLM (``LlamaForCausalLMEagle3``); ``hc`` is Eagle3Config.to_dict()."""
-    aux = [int(i) for i in hc["aux_layer_ids"]]
-    return {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        **_layer_config(hc, target_cfg, dtype),
-        "draft_vocab_size": hc["draft_vocab_size"],
-        "target_hidden_size": hc["hidden_size"],
-        "norm_before_residual": bool(hc.get("norm_before_residual", False)),
-        "norm_before_fc": False,
-        "eagle_aux_hidden_state_layer_ids": aux,                     # vLLM: HF hidden_states index
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],  # SGLang: one lower
-                         "use_aux_hidden_state": True},
-    }
-
-
-def eagle3_speculators_config(hc: dict, target_cfg: dict, identity: dict, speculative_tokens: int,
-                              dtype: str = "float32") -> dict:
-    """config.json in the vllm-project/speculators format (``speculators_model_type: eagle3``)."""
-    return {
-        "architectures": ["Eagle3Speculator"],
-        "speculators_model_type": "eagle3",
-        "transformer_layer_config": {"architectures": ["LlamaForCausalLM"], **_layer_config(hc, target_cfg, dtype)},
-        "draft_vocab_size": hc["draft_vocab_size"],
-        "target_hidden_size": hc["hidden_size"],
-        "norm_before_residual": bool(hc.get("norm_before_residual", False)),
-        "norm_before_fc": False,
-        "embed_requires_grad": False,
-        "eagle_aux_hidden_state_layer_ids": [int(i) for i in hc["aux_layer_ids"]],  # HF index, as vLLM
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": _verifier_path(identity.get("name_or_path")),
-                         "architectures": list(identity.get("architectures") or [])},
-        },
-        "torch_dtype": dtype,
-    }
+    name = identity.get("name_or_path")
+    return {"name_or_path": reference.resolve(name) if name else name,
+            "architectures": list(identity.get("architectures") or [])}
 
 
 def _check_head_fits_target(hc: dict, target_cfg: dict) -> None:
@@ -173,19 +100,30 @@ def _install(tmp: Path, out_dir: Path) -> None:
         os.replace(tmp, out_dir)
 
 
+def _verify_engine_configs(configs: dict[str, dict], hc: dict, target_num_layers: int | None) -> None:
+    """Read each config back as its engines do; RuntimeError (an exporter bug) when one differs from ``hc``."""
+    for rel, cfg in configs.items():
+        for engine in CONFIG_READERS[rel]:
+            problems = engine_problems(engine, cfg, hc, "eagle3", target_num_layers)
+            if problems:
+                raise RuntimeError(f"export: {rel} would be read wrong by {engine}: "
+                                   + "; ".join(m for _, m in problems))
+
+
 def export_eagle3(head: Any, out_dir: str | Path, target_identity: dict, target_config: Any,
                   training: dict | None = None, formats=("draftsmith",), *, eval: dict | None = None,
-                  speculative_tokens: int | None = None) -> Path:
+                  speculative_tokens: int | None = None, referee: dict | None = None) -> Path:
     """Write ``head`` (an Eagle3Head) to ``out_dir`` as described in the module docstring.
 
-    ``target_identity`` comes from ``export.identity.target_identity``; ``target_config`` is the
-    target's config (model, config or dict) used for RoPE and max_position_embeddings;
-    ``speculative_tokens`` (speculators format) defaults to the head's ttt_steps. Returns out_dir."""
-    formats = tuple(formats)
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown or "draftsmith" not in formats:
-        raise ValueError(f"formats {formats}: known formats are {FORMATS}, and 'draftsmith' (model.safetensors, "
-                         f"config.json, draftsmith.json) is always written")
+    ``formats``: names of ``export.formats.FORMATS`` or ``all`` (draftsmith is always written; vllm and
+    sglang are the root research layout); ``target_identity`` comes from ``export.identity.target_identity``;
+    ``target_config`` is the target's config (model, config or dict) used for RoPE,
+    max_position_embeddings and the layer count; ``speculative_tokens`` (speculators format) defaults
+    to the head's ttt_steps; ``eval`` / ``referee`` seed those metadata records. Returns out_dir.
+
+    Raises ValueError for an unknown format or a head that does not fit the target, HeadMismatchError
+    for inconsistent weights, FileExistsError for a non-empty directory that is not a head."""
+    formats = expand_formats(formats)
     out_dir = Path(out_dir)
     hc = head.config.to_dict()
     target_cfg = config_dict(target_config)
@@ -199,22 +137,23 @@ def export_eagle3(head: Any, out_dir: str | Path, target_identity: dict, target_
     tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
     try:
         _save_safetensors(sd, tmp / WEIGHTS_FILE)
-        write_json_atomic(tmp / "config.json", eagle3_engine_config(hc, target_cfg, dtype))
+        configs = {"config.json": research_config(hc, target_cfg, dtype)}
         weight_files = [WEIGHTS_FILE]
         if "speculators" in formats:
-            spec = tmp / SPECULATORS_DIR
-            spec.mkdir()
-            renamed = {k.replace("midlayer.", "layers.0.", 1): v for k, v in sd.items()}
-            _save_safetensors(renamed, spec / WEIGHTS_FILE)
-            write_json_atomic(spec / "config.json", eagle3_speculators_config(
-                hc, target_cfg, target_identity, speculative_tokens or ttt_steps, dtype))
+            (tmp / SPECULATORS_DIR).mkdir()
+            _save_safetensors(speculators_weights(sd), tmp / SPECULATORS_DIR / WEIGHTS_FILE)
+            configs[f"{SPECULATORS_DIR}/config.json"] = speculators_config(
+                hc, target_cfg, _verifier(target_identity), speculative_tokens or ttt_steps, dtype)
             weight_files.append(f"{SPECULATORS_DIR}/{WEIGHTS_FILE}")
+        _verify_engine_configs(configs, hc, target_cfg.get("num_hidden_layers"))
+        for rel, cfg in configs.items():
+            write_json_atomic(tmp / rel, cfg)
         meta = HeadMetadata(
             head_type="eagle3", head_config=hc, ttt_steps=ttt_steps,
             aux_layer_ids=[int(i) for i in hc["aux_layer_ids"]], draft_vocab_size=int(hc["draft_vocab_size"]),
             d2t_sha256=tensor_sha256(sd["d2t"]) if "d2t" in sd else None,
             target=dict(target_identity), training=dict(training or {}), eval=dict(eval or {}),
-            weights={rel: file_sha256(tmp / rel) for rel in weight_files})
+            referee=dict(referee or {}), weights={rel: file_sha256(tmp / rel) for rel in weight_files})
         write_metadata(tmp, meta)
         _fsync_tree(tmp)
         _install(tmp, out_dir)
@@ -223,3 +162,43 @@ def export_eagle3(head: Any, out_dir: str | Path, target_identity: dict, target_
         raise
     logger.info("exported EAGLE-3 head to %s (%s)", out_dir, ", ".join(formats))
     return out_dir
+
+
+def target_config_from_identity(identity: dict, head_config: dict) -> dict:
+    """The target config fields an export needs, rebuilt from a head's recorded identity (re-export)."""
+    arch = identity.get("architecture") or {}
+    rope = arch.get("rope") or {}
+    return {"hidden_size": identity.get("hidden_size"), "vocab_size": identity.get("vocab_size"),
+            "num_hidden_layers": identity.get("num_hidden_layers"),
+            "max_position_embeddings": head_config.get("max_position_embeddings"),
+            "rope_theta": rope.get("rope_theta", head_config.get("rope_theta")),
+            "rope_scaling": rope.get("rope_scaling", head_config.get("rope_scaling"))}
+
+
+def reexport_head(head_dir: str | Path, out_dir: str | Path, formats=("all",),
+                  speculative_tokens: int | None = None) -> Path:
+    """Export an already exported head again (another set of formats, another place), unchanged.
+
+    The source is verified (sha256 of every weight file, tensors, vocab map) and its metadata carried
+    over: target identity, training, eval, and the referee verdicts whose weight hashes still hold
+    (the weights are re-serialised byte for byte). ``speculative_tokens`` defaults to the k recorded in
+    the source's eval, else ttt_steps. Returns out_dir."""
+    from draftsmith.export.check import load_eagle3
+
+    head_dir, out_dir = Path(head_dir), Path(out_dir)
+    if head_dir.resolve() == out_dir.resolve():
+        raise ValueError(f"re-export of {head_dir} onto itself; choose another --out")
+    head, meta = load_eagle3(head_dir)
+    k = speculative_tokens or (meta.eval or {}).get("k") or meta.ttt_steps
+    out = export_eagle3(head, out_dir, meta.target, target_config_from_identity(meta.target, meta.head_config),
+                        training=meta.training, formats=formats, eval=meta.eval, speculative_tokens=int(k))
+    new = read_metadata(out)
+    kept = {key: v for key, v in meta.referee.items()
+            if all(new.weights.get(f) == sha for f, sha in (v.get("weights") or {}).items())}
+    if kept:
+        new.referee = kept
+        write_metadata(out, new)
+    from draftsmith.export.card import write_model_card
+
+    write_model_card(out, plot=head_dir / "acceptance.png")   # the table comes from the carried-over eval
+    return out

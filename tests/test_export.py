@@ -213,7 +213,7 @@ def test_export_refuses_head_of_another_target(tiny_llama, tmp_path):
         export_eagle3(make_head(target), tmp_path / "h", target_identity(other, None, "o"), other.config)
     with pytest.raises(ValueError, match="formats"):
         export_eagle3(make_head(target), tmp_path / "h", target_identity(target, None, "t"), target.config,
-                      formats=("vllm",))
+                      formats=("tensorrt",))
 
 
 def test_target_identity(tiny_llama, tmp_path, word_tokenizer):
@@ -243,3 +243,195 @@ def test_bfloat16_round_trip(tiny_llama, tmp_path):
     assert loaded.fc.weight.dtype == torch.bfloat16 and loaded.d2t.dtype == torch.int64
     for name, t in head.export_state_dict().items():
         assert torch.equal(t, loaded.export_state_dict()[name]), name
+
+
+# --- formats: draftsmith | vllm | sglang | speculators | all ---------------------------------------
+def _logits(head, target, seed=3):
+    """Head logits on a fixed input: a prefix step and one chain step (bit-comparable)."""
+    torch.manual_seed(seed)
+    ids = torch.randint(2, V, (1, 9))
+    aux = torch.randn(1, 9, 3 * target.config.hidden_size)
+    head = head.eval()
+    head.bind_embedding(target.get_input_embeddings())
+    kv = HeadKV()
+    with torch.no_grad():
+        hidden, lg = head.step(head.fuse(aux), ids, kv, "prefix")
+        _, lg2 = head.step(hidden, ids, kv, "chain")
+    return lg, lg2, head.draft_to_target(torch.arange(head.config.draft_vocab_size))
+
+
+def _head_from(hc: dict, sd: dict):
+    head = Eagle3Head(Eagle3Config.from_dict(hc)).to(sd["fc.weight"].dtype)
+    head.load_export_state_dict(sd)
+    return head
+
+
+@pytest.fixture
+def all_formats(tiny_llama, tmp_path, word_tokenizer):
+    target, tok = tiny_llama(seed=1), word_tokenizer()
+    head = make_head(target)
+    ident = target_identity(target, tok, "tiny/llama", revision="r1")
+    out = export_eagle3(head, tmp_path / "all", ident, target.config, formats=("all",), speculative_tokens=4)
+    return target, tok, head, out
+
+
+def test_expand_formats():
+    from draftsmith.export.formats import expand_formats
+
+    assert expand_formats(["all"]) == ("draftsmith", "vllm", "sglang", "speculators")
+    assert expand_formats(["speculators"]) == ("draftsmith", "speculators")     # draftsmith always
+    assert expand_formats(["sglang", "draftsmith"]) == ("draftsmith", "sglang")
+    with pytest.raises(ValueError, match="tensorrt"):
+        expand_formats(["tensorrt"])
+
+
+def test_every_format_reloads_to_bit_identical_logits(all_formats):
+    """Each format read back the way its reader reads it -- draftsmith's loader (root and speculators/),
+    and vLLM's / SGLang's reading rules on the research config -- gives the trained head's logits, bit for bit."""
+    from draftsmith.export.formats import read_engine_dir
+
+    target, tok, head, out = all_formats
+    want = _logits(head, target)
+    heads = {"draftsmith": load_eagle3(out, target_model=target, tokenizer=tok)[0],
+             "draftsmith:speculators/": load_eagle3(out / "speculators", target_model=target, tokenizer=tok)[0]}
+    for name, path, engine in (("vllm", out, "vllm"), ("sglang", out, "sglang"),
+                               ("speculators", out / "speculators", "speculators")):
+        hc, sd = read_engine_dir(path, engine)
+        assert hc["aux_layer_ids"] == list(head.config.aux_layer_ids), name
+        heads[name] = _head_from(hc, sd)
+    assert read_engine_dir(out / "speculators", "speculators")[0]["ttt_steps"] == 4   # k from proposal_methods
+    for name, h in heads.items():
+        got = _logits(h, target)
+        assert all(torch.equal(a, b) for a, b in zip(want, got)), name
+
+
+def test_all_formats_layout(all_formats):
+    _, _, _, out = all_formats
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "draftsmith.json", "model.safetensors",
+                                                     "speculators"]
+    assert sorted(p.name for p in (out / "speculators").iterdir()) == ["config.json", "model.safetensors"]
+    assert set(read_metadata(out).weights) == {"model.safetensors", "speculators/model.safetensors"}
+
+
+GOLDEN_RESEARCH_KEYS = {
+    "architectures", "model_type", "num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "vocab_size", "max_position_embeddings",
+    "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings", "attention_bias", "mlp_bias",
+    "torch_dtype", "draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm",
+    "norm_output", "eagle_aux_hidden_state_layer_ids", "eagle_config"}
+GOLDEN_SPECULATORS_KEYS = {
+    "architectures", "speculators_model_type", "transformer_layer_config", "draft_vocab_size", "target_hidden_size",
+    "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "embed_requires_grad",
+    "eagle_aux_hidden_state_layer_ids", "speculators_config", "torch_dtype"}
+
+
+def test_research_config_golden(all_formats):
+    """vLLM (llama_eagle3.py, gpu_model_runner.py) and SGLang (llama_eagle3.py, model_runner.py) keys."""
+    _, _, head, out = all_formats
+    cfg = json.loads((out / "config.json").read_text())
+    assert set(cfg) == GOLDEN_RESEARCH_KEYS
+    aux = list(head.config.aux_layer_ids)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == aux                           # vLLM: HF index
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],   # SGLang: one lower
+                                   "use_aux_hidden_state": True}
+    assert {k: cfg[k] for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
+                                "tie_word_embeddings", "attention_bias", "mlp_bias")} == dict.fromkeys(
+        ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output", "tie_word_embeddings", "attention_bias",
+         "mlp_bias"), False)
+    assert (cfg["architectures"], cfg["model_type"], cfg["num_hidden_layers"]) == (["LlamaForCausalLMEagle3"], "llama", 1)
+    assert (cfg["draft_vocab_size"], cfg["vocab_size"], cfg["target_hidden_size"]) == (48, V, 32)
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+
+
+def test_speculators_config_golden(all_formats):
+    """vLLM configs/speculators/{base,algos}.py keys; every norm flag explicit (algos.py defaults one to true)."""
+    _, _, head, out = all_formats
+    spec = json.loads((out / "speculators" / "config.json").read_text())
+    assert set(spec) == GOLDEN_SPECULATORS_KEYS
+    assert set(spec["transformer_layer_config"]) == (GOLDEN_RESEARCH_KEYS - {
+        "draft_vocab_size", "target_hidden_size", "norm_before_residual", "norm_before_fc", "fc_norm", "norm_output",
+        "eagle_aux_hidden_state_layer_ids", "eagle_config"})
+    assert spec["transformer_layer_config"]["architectures"] == ["LlamaForCausalLM"]
+    assert set(spec["speculators_config"]) == {"algorithm", "proposal_methods", "default_proposal_method", "verifier"}
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 4
+    assert all(spec[k] is False for k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"))
+
+
+def test_engine_reading_rules_catch_one_engine_configs(all_formats):
+    """A config written for one engine alone is misread by the other, and engine_problems says so."""
+    from draftsmith.export.formats import engine_problems
+
+    _, _, head, out = all_formats
+    hc = head.config.to_dict()
+    cfg = json.loads((out / "config.json").read_text())
+    assert engine_problems("vllm", cfg, hc) == [] and engine_problems("sglang", cfg, hc) == []
+    vllm_only = {k: v for k, v in cfg.items() if k != "eagle_config"}
+    fields = [f for f, _ in engine_problems("sglang", vllm_only, hc, target_num_layers=4)]
+    assert fields == ["aux_layer_ids"]                      # SGLang's default (2, 2, 1) instead of ours
+    sglang_only = {k: v for k, v in cfg.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    problems = engine_problems("vllm", sglang_only, hc)
+    assert [f for f, _ in problems] == ["aux_layer_ids"]    # vLLM takes eagle_config's ids unconverted
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids" in problems[0][1]
+    assert [f for f, _ in engine_problems("sglang", {**cfg, "bias": True}, hc)] == ["fc_bias", "attention_bias"]
+    assert [f for f, _ in engine_problems("sglang", {**cfg, "target_hidden_size": None}, hc)][0] == "target_hidden_size"
+    assert "draft_vocab_size" in [f for f, _ in engine_problems("sglang", {**cfg, "draft_vocab_size": None}, hc)]
+    assert [f for f, _ in engine_problems("sglang", {**cfg, "tie_word_embeddings": True}, hc)] == ["tie_word_embeddings"]
+    spec = json.loads((out / "speculators" / "config.json").read_text())
+    del spec["norm_before_residual"]
+    problems = engine_problems("speculators", spec, hc)
+    assert [f for f, _ in problems] == ["norm_before_residual"] and "default to true" in problems[0][1]
+
+
+def test_sglang_drops_speculators_weight_names(all_formats, tmp_path):
+    """SGLang loads midlayer.* only: a research config over layers.0.* weights is refused, not half-loaded."""
+    import shutil
+
+    from draftsmith.export.formats import read_engine_dir
+    from draftsmith.export.metadata import HeadMismatchError
+
+    _, _, _, out = all_formats
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    shutil.copy(out / "config.json", mixed / "config.json")
+    shutil.copy(out / "speculators" / "model.safetensors", mixed / "model.safetensors")
+    with pytest.raises(HeadMismatchError, match="drop") as err:
+        read_engine_dir(mixed, "sglang")
+    assert err.value.field == "weights"
+    read_engine_dir(mixed, "vllm")                          # vLLM maps both prefixes
+
+
+def test_reexport_head_keeps_bytes_metadata_and_verdicts(setup, tmp_path):
+    from draftsmith.export.metadata import update_metadata as update
+    from draftsmith.export.writer import reexport_head
+
+    target, tok, head, _, out = setup
+    update(out, eval={"k": 3, "tasks": {"code": {"eagle3": {"tau": 2.5, "acceptance_rate": 0.5,
+                                                            "accepted_per_pos": [0.8, 0.5, 0.2]}}}},
+           referee={"vllm/research/k3": {"engine": "vllm", "version": "0.32.0", "format": "research", "k": 3,
+                                         "prompts": 20, "match": True,
+                                         "weights": {"model.safetensors": file_sha256(out / "model.safetensors")}},
+                    "vllm/speculators/k3": {"engine": "vllm", "format": "speculators", "k": 3, "match": True,
+                                            "weights": {"speculators/model.safetensors": "0" * 64}}})
+    again = reexport_head(out, tmp_path / "again", formats=("all",))
+    assert (again / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    meta, old = read_metadata(again), read_metadata(out)
+    assert meta.target == old.target and meta.training == old.training and meta.eval == old.eval
+    assert list(meta.referee) == ["vllm/research/k3"]       # a verdict about other bytes is dropped
+    spec = json.loads((again / "speculators" / "config.json").read_text())
+    assert spec["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3   # eval's k
+    card = (again / "README.md").read_text()
+    assert "| code | eagle3 | 2.50 | 50.0% | 80% | 50% | 20% |" in card and "0.32.0" in card
+    loaded, _ = load_eagle3(again, target_model=target, tokenizer=tok)
+    assert all(torch.equal(a, b) for a, b in zip(_logits(head, target), _logits(loaded, target)))
+    with pytest.raises(ValueError, match="onto itself"):
+        reexport_head(out, out)
+
+
+def test_cli_export_head_dir_all_formats(setup, tmp_path, capsys):
+    from draftsmith.cli import main
+
+    _, _, _, _, out = setup
+    assert main(["export", str(out), "--out", str(tmp_path / "cli"), "--format", "sglang", "speculators"]) == 0
+    assert (tmp_path / "cli" / "speculators" / "config.json").is_file()
+    with pytest.raises(SystemExit):
+        main(["export", str(out), "--out", str(tmp_path / "bad"), "--format", "tensorrt"])
