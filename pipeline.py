@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 class ExportConfig:
     """Which formats ``export`` writes besides draftsmith's own (research/SGLang/vLLM config)."""
 
-    formats: list[str] = field(default_factory=lambda: ["draftsmith"])   #: draftsmith | speculators
+    formats: list[str] = field(default_factory=lambda: ["draftsmith"])   #: draftsmith|vllm|sglang|speculators|all
 
 
 @dataclass
@@ -107,14 +107,22 @@ def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
 
 
 def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
-    """Re-export a run's last checkpoint (``RUN_DIR/train/checkpoint``) as a head directory at ``out``."""
+    """Re-export a run's last checkpoint (``RUN_DIR/train/checkpoint``) as a head directory at ``out``.
+
+    ``formats``: ``export.formats.FORMATS`` names or ``all``. ``run_dir`` may also be an exported head
+    directory (``writer.reexport_head``: the same head in other formats). When the run's
+    ``eval/report.json`` was measured on these very weights, its held-out results go into the metadata
+    and the model card (with the plot)."""
     from draftsmith.config import from_dict
     from draftsmith.data_pipeline.prepare import load_prepared
     from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
+    from draftsmith.export.metadata import METADATA_FILE
+    from draftsmith.export.writer import export_eagle3, reexport_head
     from draftsmith.train.checkpoint import load_checkpoint
     from draftsmith.train.eagle3 import build_head
 
+    if (Path(run_dir) / METADATA_FILE).is_file():
+        return reexport_head(run_dir, out, formats)
     ckpt = Path(run_dir) / "train" / "checkpoint"
     if not (ckpt / "state.json").exists():
         raise FileNotFoundError(f"{ckpt} holds no checkpoint; train the run first (draftsmith train RECIPE)")
@@ -127,16 +135,49 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
     identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
     training = {"recipe": state["extra"]["config"], "steps": state["step"],
                 "data_manifest": {k: v for k, v in data.manifest.items() if k != "key"}}
-    return export_eagle3(head, out, identity, target.config, training=training, formats=tuple(formats),
-                         speculative_tokens=recipe.eval.k)
+    out = export_eagle3(head, out, identity, target.config, training=training, formats=tuple(formats),
+                        speculative_tokens=recipe.eval.k)
+    _attach_eval(out, Path(run_dir) / "eval")
+    return out
 
 
-def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head_dir: Path | None):
+def eval_summary(report: dict) -> dict:
+    """The held-out results kept in draftsmith.json ``eval``: k and, per task and method, τ, acceptance
+    rate and accepted per position (``inference.eval`` row fields)."""
+    return {"k": report["config"]["k"], "tasks": {
+        t: {m: {k: v for k, v in r.items() if k in ("tau", "acceptance_rate", "accepted_per_pos")}
+            for m, r in rows.items() if m != "plain" and isinstance(r, dict)} for t, rows in report["tasks"].items()}}
+
+
+def _attach_eval(head_dir: Path, eval_dir: Path) -> None:
+    """Record ``eval_dir/report.json`` in the head's metadata and card when it was measured on a head with
+    the same weights (the sha256 of model.safetensors in the head it names)."""
+    from draftsmith.export.card import write_model_card
+    from draftsmith.export.metadata import read_metadata, update_metadata
+
+    path = eval_dir / "report.json"
+    if not path.is_file():
+        return
+    report = json.loads(path.read_text())
+    try:
+        measured = read_metadata(report.get("head") or "").weights.get("model.safetensors")
+    except (FileNotFoundError, ValueError):
+        measured = None
+    if measured is None or measured != read_metadata(head_dir).weights.get("model.safetensors"):
+        logger.info("%s measured other weights; %s gets no eval record", path, head_dir)
+        return
+    update_metadata(head_dir, eval=eval_summary(report))
+    write_model_card(head_dir, report, eval_dir / "acceptance.png")
+
+
+def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head_dir: Path | None,
+                    allow_mismatch=()):
     """Factories of fresh greedy proposers by method name, and the aux layer ids the target must expose.
 
     Each method is set up by ``inference.engine.Engine`` exactly as ``draftsmith serve`` does: the
     EAGLE-3 head is loaded once through ``load_eagle3`` (a head whose metadata does not match
-    ``target`` is refused) and the draft model must share the target's tokenizer."""
+    ``target`` is refused unless the field is in ``allow_mismatch``) and the draft model must share
+    the target's tokenizer."""
     from draftsmith.inference.engine import Engine
     from draftsmith.inference.generate import GenerationConfig
 
@@ -152,24 +193,32 @@ def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head
             spec["model"] = cfg.draft_model
         elif method == "ngram":
             spec.update(prompt_lookup_min=cfg.prompt_lookup_min, prompt_lookup_max=cfg.prompt_lookup_max)
-        engine = Engine(target, tokenizer, spec)
+        engine = Engine(target, tokenizer, spec, allow_mismatch=allow_mismatch)
         aux = engine.target.aux_layer_ids or aux
         factories[method] = lambda engine=engine: engine.new_proposer(greedy)
     return factories, aux
 
 
-def run_eval(recipe: Recipe, head_dir: Path | None, target=None, tokenizer=None) -> dict:
-    """Stage 5: acceptance and speed of every method on the held-out tasks; writes report/table/plot."""
+def run_eval(recipe: Recipe, head_dir: Path | None, target=None, tokenizer=None, allow_mismatch=()) -> dict:
+    """Stage 5: acceptance and speed of every method on the held-out tasks; writes report/table/plot.
+
+    ``allow_mismatch``: target-identity fields the EAGLE-3 head may differ in (``check_head``); the
+    check, with every override and both of its values, is kept in the report as ``head_check``."""
     from draftsmith import reference
+    from draftsmith.export.check import check_head
 
     if target is None:
         target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
     cfg = recipe.eval
-    factories, aux = build_proposers(cfg.methods, cfg, target, tokenizer, head_dir)
+    head_check = None
+    if head_dir is not None and "eagle3" in cfg.methods:
+        head_check = check_head(head_dir, target, tokenizer, recipe.target.name_or_path, allow_mismatch=allow_mismatch)
+    factories, aux = build_proposers(cfg.methods, cfg, target, tokenizer, head_dir, allow_mismatch=allow_mismatch)
     tasks = reference.tasks(cfg.tasks)
     report = evaluate(target, tokenizer, tasks, factories, cfg, aux_layer_ids=aux)
     report["target"] = recipe.target.name_or_path
     report["head"] = str(head_dir) if head_dir else None
+    report["head_check"] = head_check.record() if head_check else None
     out = recipe.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1))
@@ -234,9 +283,7 @@ def demo(recipe: Recipe) -> dict:
     check = check_head(head_dir, target.config, tokenizer, recipe.target.name_or_path)
     print(check.summary())
     report = run_eval(recipe, head_dir, target, tokenizer)
-    update_metadata(head_dir, eval={"k": recipe.eval.k, "tasks": {
-        t: {m: {k: v for k, v in r.items() if k in ("tau", "acceptance_rate", "accepted_per_pos")}
-            for m, r in rows.items() if m != "plain" and isinstance(r, dict)} for t, rows in report["tasks"].items()}})
+    update_metadata(head_dir, eval=eval_summary(report))
     write_model_card(head_dir, report, recipe.run_dir / "eval" / "acceptance.png")
     first = reference_prompt(recipe)
     served = serve_check(target, tokenizer, head_dir, recipe.eval.k, first)
