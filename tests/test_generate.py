@@ -80,30 +80,139 @@ def test_plain_matches_transformers_generate(target):
     assert (ours.finish_reason, ours.num_target_forwards) == ("length", 12)
 
 
-def _proposer(name: str, target: TargetModel, make_tiny_llama) -> Proposer:
+def _random_prompts(n: int, seed: int = 11) -> list[list[int]]:
+    """``n`` seeded prompts of 1..24 tokens over ids 2..95; every other one repeats a short pattern (so
+    n-gram lookup finds drafts), the rest are uniform noise."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        length = int(torch.randint(1, 25, (1,), generator=gen))
+        if i % 2:
+            pattern = torch.randint(2, 96, (int(torch.randint(1, 5, (1,), generator=gen)),), generator=gen)
+            prompts.append(pattern.repeat(length)[:length].tolist())
+        else:
+            prompts.append(torch.randint(2, 96, (length,), generator=gen).tolist())
+    return prompts
+
+
+GREEDY_PROMPTS = PROMPTS + _random_prompts(45)               # 50 prompts
+GREEDY_TOKENS = 12
+
+
+class ScriptedProposer(Proposer):
+    """Drafts from the known greedy continuation, right or wrong per ``script(step, position)``.
+
+    ``expected[prompt]`` is the plain greedy output; a wrong draft is (right + 1) mod V, never the argmax.
+    ``pause_after_multi_accept``: after a verify step that accepted >= 2 drafts, the next proposal is empty
+    (the loop must then decode one target token from the cropped cache)."""
+
+    def __init__(self, expected: list[int], script, vocab_size: int, pause_after_multi_accept: bool = False):
+        self.expected, self.script, self.vocab_size = expected, script, vocab_size
+        self.pause_after_multi_accept = pause_after_multi_accept
+        self.emitted = self.step = 0
+        self.paused = False
+        self.empty_proposals = 0
+
+    def start(self, prompt_ids, first_token, target_step) -> None:
+        self.emitted, self.step, self.paused = 1, 0, False
+
+    def propose(self, k: int) -> Proposal:
+        if self.paused:
+            self.empty_proposals += 1
+            return Proposal.empty()
+        right = self.expected[self.emitted:self.emitted + k]
+        tokens = [t if self.script(self.step, i) else (t + 1) % self.vocab_size for i, t in enumerate(right)]
+        return Proposal(torch.tensor(tokens, dtype=torch.long))
+
+    def accept(self, n_accepted, emitted, target_step) -> None:
+        self.emitted += emitted.numel()
+        self.step += 1
+        self.paused = self.pause_after_multi_accept and not self.paused and n_accepted >= 2
+
+
+SCRIPTS = {
+    "always_right": (lambda step, i: True, False),
+    "always_wrong": (lambda step, i: False, False),
+    "wrong_first_token": (lambda step, i: i > 0, False),              # every draft wrong at its first token
+    "wrong_first_draft_only": (lambda step, i: step > 0 or i > 0, False),   # only the sequence's first token
+    "nothing_after_multi_accept": (lambda step, i: True, True),
+}
+
+
+def _make_head(target: TargetModel, draft_vocab_size: int = 48):
+    """A random (untrained) EAGLE-3 head on ``target`` with a d2t map; its drafts are mostly rejected."""
+    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.heads.vocab import build_vocab_map
+
+    model = target.model
+    cfg = Eagle3Config.from_target(model.config, draft_vocab_size=draft_vocab_size, aux_layer_ids=target.aux_layer_ids)
+    torch.manual_seed(0)
+    head = Eagle3Head(cfg).eval()
+    vmap = build_vocab_map(torch.arange(model.config.vocab_size).flip(0), draft_vocab_size)
+    head.set_vocab_map(vmap.d2t, vmap.t2d)
+    head.bind_embedding(model.get_input_embeddings())
+    head.init_from_target(model)                                  # lm_head from the target: some drafts right
+    return head
+
+
+def _proposer(name: str, target: TargetModel, make_tiny_llama, expected: list[int] | None = None,
+              head=None) -> Proposer:
     if name == "ngram":
         return NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     if name == "draft_random":                                   # different seed, same vocab
         return DraftModelProposer(make_tiny_llama(seed=1, num_hidden_layers=2), target.vocab_size)
     if name == "draft_close":
         return DraftModelProposer(_noisy_copy(target.model), target.vocab_size)
+    if name == "eagle3":
+        from draftsmith.inference.proposers.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer(head)
+    if name in SCRIPTS:
+        script, pause = SCRIPTS[name]
+        return ScriptedProposer(expected, script, target.vocab_size, pause_after_multi_accept=pause)
     return RandomProposer(target.vocab_size)
 
 
-@pytest.mark.parametrize("k", [1, 3, 5])
-@pytest.mark.parametrize("name", ["ngram", "draft_random", "draft_close", "random"])
-def test_speculative_greedy_equals_plain_greedy(target, plain, tiny_llama, name, k):
-    proposer = _proposer(name, target, tiny_llama)
+@pytest.fixture(scope="module")
+def greedy_setup(tiny_llama):
+    """(target with aux layers, EAGLE-3 head, plain greedy outputs of the 50 prompts)."""
+    target = TargetModel(tiny_llama(seed=0, num_hidden_layers=3), aux_layer_ids=(0, 1, 2))
+    expected = [generate_plain(target, p, GenerationConfig(max_new_tokens=GREEDY_TOKENS)).tokens
+                for p in GREEDY_PROMPTS]
+    return target, _make_head(target), expected
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+@pytest.mark.parametrize("name", ["ngram", "draft_random", "draft_close", "eagle3", "random", *SCRIPTS])
+def test_speculative_greedy_equals_plain_greedy(greedy_setup, tiny_llama, name, k):
+    """Token-identical to plain greedy decoding over 50 prompts, for every drafter and scripted behaviour."""
+    target, head, expected = greedy_setup
     total = SpecStats(k=k)
-    for prompt, expected in zip(PROMPTS, plain):
-        result = generate_speculative(target, proposer, prompt, GenerationConfig(max_new_tokens=30), k)
-        assert result.tokens == expected, f"prompt {prompt}"
+    cfg = GenerationConfig(max_new_tokens=GREEDY_TOKENS)
+    shared = None if name in SCRIPTS else _proposer(name, target, tiny_llama, head=head)   # reused: start() resets
+    empty_proposals = 0
+    for prompt, plain in zip(GREEDY_PROMPTS, expected):
+        proposer = shared or _proposer(name, target, tiny_llama, expected=plain)
+        result = generate_speculative(target, proposer, prompt, cfg, k)
+        assert result.tokens == plain, f"prompt {prompt}"
         assert result.finish_reason == "length"
         total = total.merge(result.stats)
+        empty_proposals += getattr(proposer, "empty_proposals", 0)
     assert total.num_drafts > 0
-    if name in ("ngram", "draft_close"):                          # not vacuous: drafts were accepted
+    assert 0 <= total.num_accepted_tokens <= total.num_draft_tokens
+    assert sum(total.accepted_per_pos) == total.num_accepted_tokens
+    if name in ("ngram", "draft_close", "eagle3"):              # not vacuous: drafts were accepted
         assert total.num_accepted_tokens > 0, total
         assert total.acceptance_length > 1.0
+    if name == "always_right":
+        assert total.acceptance_rate == 1.0
+    if name in ("always_wrong", "wrong_first_token"):
+        assert total.num_accepted_tokens == 0
+    if name == "wrong_first_draft_only":
+        assert 0 < total.num_accepted_tokens < total.num_draft_tokens
+    if name == "nothing_after_multi_accept":
+        assert total.acceptance_rate == 1.0
+        assert (empty_proposals > 0) == (k >= 2)                 # k = 1 never accepts 2 drafts at once
 
 
 def test_k0_is_plain_decoding(target, plain):
@@ -142,6 +251,70 @@ def test_max_new_tokens_never_overshoots(target, plain, max_new_tokens):
     result = generate_speculative(target, OracleProposer(plain[0]), PROMPTS[0], cfg, k=5)
     assert result.tokens == plain[0][:max_new_tokens]
     assert result.finish_reason == "length"
+
+
+def test_stop_inside_a_chunk_emits_up_to_the_stop():
+    """The issue's case: chunk [a, b, STOP, c, d, e] with max_tokens 5 emits [a, b, STOP], finish 'stop'."""
+    from draftsmith.inference.generate import _Output
+
+    a, b, stop, c, d, e = 10, 11, 1, 12, 13, 14
+    seen = []
+    out = _Output(GenerationConfig(max_new_tokens=5, eos_token_ids=[stop]), on_tokens=seen.append)
+    assert out.extend([a, b, stop, c, d, e]) is True
+    assert (out.tokens, out.finish_reason, seen) == ([a, b, stop], "stop", [[a, b, stop]])
+    out = _Output(GenerationConfig(max_new_tokens=5, stop_token_ids=[stop]))       # a stop id, not EOS: same
+    assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop], "stop")
+    out = _Output(GenerationConfig(max_new_tokens=5))                              # no stop: cut at 5
+    assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop, c, d], "length")
+    out = _Output(GenerationConfig(max_new_tokens=5, eos_token_ids=[e]))           # stop after max_tokens: length
+    assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop, c, d], "length")
+
+
+@pytest.mark.parametrize("name", ["ngram", "draft_close", "always_right", "eagle3"])
+def test_eos_as_third_greedy_token_with_k4_ends_there(greedy_setup, tiny_llama, name):
+    """EOS = the 3rd token of the plain greedy output (first occurrence): output ends right after it."""
+    target, head, expected = greedy_setup
+    cases = [(p, e) for p, e in zip(GREEDY_PROMPTS, expected) if e[2] not in e[:2]][:10]
+    assert len(cases) >= 5
+    for prompt, plain in cases:
+        cfg = GenerationConfig(max_new_tokens=GREEDY_TOKENS, eos_token_ids=[plain[2]])
+        result = generate_speculative(target, _proposer(name, target, tiny_llama, expected=plain, head=head),
+                                      prompt, cfg, k=4)
+        assert (result.tokens, result.finish_reason) == (plain[:3], "stop")
+
+
+def test_rejected_drafted_eos_does_not_end_generation(target, plain):
+    """A proposer that always drafts EOS first: the target rejects it, generation goes on to max_tokens."""
+    expected = plain[2]
+    eos = next(t for t in range(2, 96) if t not in expected)
+
+    class DraftsEos(OracleProposer):
+        def propose(self, k):
+            right = super().propose(k).tokens
+            return Proposal(torch.cat([torch.tensor([eos]), right[1:]]) if right.numel() else right)
+
+    cfg = GenerationConfig(max_new_tokens=30, eos_token_ids=[eos])
+    result = generate_speculative(target, DraftsEos(expected), PROMPTS[2], cfg, k=4)
+    assert (result.tokens, result.finish_reason) == (expected, "length")
+    assert result.stats.num_drafts > 0 and result.stats.num_accepted_tokens == 0
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2])
+def test_ngram_k3_returns_exactly_max_tokens(greedy_setup, max_new_tokens):
+    """n-gram with k=3 on prompts it drafts 3 tokens from: exactly 1 or 2 tokens, never the whole chunk."""
+    target, _, expected = greedy_setup
+
+    def drafts_three(prompt, plain) -> bool:
+        proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
+        proposer.start(torch.tensor(prompt), plain[0], None)
+        return proposer.propose(3).tokens.numel() == 3
+    assert any(drafts_three(p, e) for p, e in zip(GREEDY_PROMPTS, expected))   # not vacuous
+    for prompt, plain in zip(GREEDY_PROMPTS, expected):
+        result = generate_speculative(target, NgramProposer(1, 3), prompt, GenerationConfig(max_new_tokens=max_new_tokens),
+                                      k=3)
+        assert (result.tokens, result.finish_reason) == (plain[:max_new_tokens], "length")
+        # drafts asked per step: min(k, max_tokens - emitted - 1) = 0 here: the verify pass adds one token itself
+        assert result.stats.num_draft_tokens == 0
 
 
 def test_sampling_path_with_top_k_1_equals_greedy(target, plain):
