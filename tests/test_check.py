@@ -187,3 +187,146 @@ def test_integrity_only_without_target(exported):
     assert any("no target" in w for w in report.warnings) and "intact" in report.summary()
     head, _ = load_eagle3(head_dir)
     assert head.config.draft_vocab_size == 48
+
+
+# --- engine configs, norm flags, missing weights, tensor parallel, overrides in the eval record -----
+def edit_config(head_dir, rel="config.json", **changes):
+    """Edit an exported engine config as a careless hand (or another tool) would; None deletes a key."""
+    path = head_dir / rel
+    cfg = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            cfg.pop(key, None)
+        else:
+            cfg[key] = value
+    path.write_text(json.dumps(cfg))
+
+
+@pytest.fixture
+def exported_all(tiny_llama, tmp_path, word_tokenizer):
+    """(target, tokenizer, head_dir) exported in every format (speculators/ included)."""
+    target, tok = tiny_llama(seed=1), word_tokenizer()
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.from_target(target.config, draft_vocab_size=48))
+    vm = build_vocab_map(torch.randint(0, 100, (V,)), 48)
+    head.set_vocab_map(vm.d2t, vm.t2d)
+    ident = target_identity(target, tok, "tiny/llama", revision="r1")
+    return target, tok, export_eagle3(head, tmp_path / "head", ident, target.config, formats=("all",))
+
+
+def test_method_in_config_disagrees_with_metadata(exported_all):
+    target, tok, head_dir = exported_all
+    edit_config(head_dir, architectures=["LlamaForCausalLMEagle"])           # an EAGLE-1 drafter's class
+    refusal(head_dir, target, tok, "method", "'eagle'", "'eagle3'", "config.json")
+    edit_config(head_dir, architectures=["LlamaForCausalLMEagle3"])
+    check_head(head_dir, target, tok)
+    edit_config(head_dir, "speculators/config.json", speculators_model_type="eagle")
+    refusal(head_dir, target, tok, "method", "speculators/config.json")
+
+
+def test_unknown_norm_flag(exported_all):
+    target, tok, head_dir = exported_all
+    edit_config(head_dir, norm_after_fc=True)
+    refusal(head_dir, target, tok, "norm_flags", "norm_after_fc=True")
+    edit_config(head_dir, norm_after_fc=None)
+    rewrite(head_dir, mutate_meta=lambda m: m["head_config"].update(pre_norm_fc=True))
+    refusal(head_dir, target, tok, "norm_flags", "pre_norm_fc=True", "upgrade draftsmith")
+
+
+def test_unsupported_norm_flag(exported_all):
+    target, tok, head_dir = exported_all
+    edit_config(head_dir, norm_before_residual=True)                         # vLLM would serve another layer
+    refusal(head_dir, target, tok, "norm_before_residual", "True", "False")
+    edit_config(head_dir, norm_before_residual=False, fc_norm=True)
+    refusal(head_dir, target, tok, "fc_norm")
+    edit_config(head_dir, fc_norm=False)
+    edit_config(head_dir, "speculators/config.json", norm_before_residual=None)   # vLLM's default there is true
+    refusal(head_dir, target, tok, "norm_before_residual", "default to true")
+    edit_config(head_dir, "speculators/config.json", norm_before_residual=False)
+    rewrite(head_dir, mutate_meta=lambda m: m["head_config"].update(norm_before_residual=True))
+    refusal(head_dir, target, tok, "norm_before_residual", "implements only False")
+
+
+def test_config_aux_layers_disagree_with_metadata(exported_all):
+    target, tok, head_dir = exported_all
+    cfg = json.loads((head_dir / "config.json").read_text())
+    hf_ids = cfg["eagle_aux_hidden_state_layer_ids"]
+    edit_config(head_dir, eagle_config={"eagle_aux_hidden_state_layer_ids": hf_ids, "use_aux_hidden_state": True})
+    msg = refusal(head_dir, target, tok, "aux_layer_ids", "SGLang")           # written in the wrong numbering
+    assert str(tuple(i + 1 for i in hf_ids)) in msg
+    edit_config(head_dir, eagle_config=cfg["eagle_config"], eagle_aux_hidden_state_layer_ids=None)
+    msg = refusal(head_dir, target, tok, "aux_layer_ids", "vLLM")            # vLLM falls back unconverted
+    assert "eagle_config.eagle_aux_hidden_state_layer_ids" in msg
+
+
+def test_missing_config_json(exported):
+    target, tok, head_dir = exported
+    (head_dir / "config.json").unlink()
+    refusal(head_dir, target, tok, "config", "vLLM and SGLang")
+
+
+def test_missing_lm_head(exported):
+    target, tok, head_dir = exported
+    rewrite(head_dir, mutate_weights=lambda sd: sd.pop("lm_head.weight"))
+    refusal(head_dir, target, tok, "weights", "lm_head.weight", "missing")
+
+
+def test_format_subdir_loads_its_own_weights_checked(exported_all):
+    target, tok, head_dir = exported_all
+    head, _ = load_eagle3(head_dir / "speculators", target_model=target, tokenizer=tok)
+    root, _ = load_eagle3(head_dir, target_model=target, tokenizer=tok)
+    assert all(torch.equal(a, b) for a, b in zip(head.export_state_dict().values(), root.export_state_dict().values()))
+    path = head_dir / "speculators" / "model.safetensors"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0x01
+    path.write_bytes(bytes(data))
+    refusal(head_dir / "speculators", target, tok, "weights", "speculators/model.safetensors", "sha256")
+    refusal(head_dir, target, tok, "weights", "speculators/model.safetensors")   # the root lists it too
+
+
+def test_tensor_parallel_layout(exported):
+    target, tok, head_dir = exported                     # 4 heads, 2 KV heads, intermediate 64 (head and target)
+    assert check_head(head_dir, target, tok, tensor_parallel_size=2).tensor_parallel_size == 2
+    with pytest.raises(HeadMismatchError) as err:
+        check_head(head_dir, target, tok, tensor_parallel_size=3)
+    msg = str(err.value)
+    assert err.value.field == "tensor_parallel_size" and "Fix:" in msg
+    for what in ("head: num_attention_heads 4", "head: num_key_value_heads 2", "head: intermediate_size 64",
+                 "target: num_attention_heads 4"):
+        assert what in msg, (what, msg)
+
+
+def test_cli_check_refuses_and_names_field(exported, monkeypatch, capsys):
+    import draftsmith.models as models
+    from draftsmith.cli import main
+
+    target, tok, head_dir = exported
+    monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: (target, tok))
+    assert main(["check", str(head_dir), "--target", "tiny/llama", "--tensor-parallel-size", "2"]) == 0
+    assert "shard over 2 ranks" in capsys.readouterr().out
+    assert main(["check", str(head_dir), "--target", "tiny/llama", "--tensor-parallel-size", "3"]) == 1
+    assert "tensor_parallel_size 3" in capsys.readouterr().err
+
+
+def test_override_is_logged_and_written_into_the_eval_record(exported, tmp_path, caplog, word_tokenizer):
+    """`draftsmith eval --allow-mismatch tokenizer_sha256`: the report's head_check names the field and both hashes."""
+    from draftsmith.pipeline import Recipe, run_eval
+
+    target, _, head_dir = exported
+    other = word_tokenizer(rename={40: "zz"})
+    recipe = Recipe(name="ovr", out_dir=tmp_path)
+    recipe.target.name_or_path = "tiny/llama"
+    recipe.eval.methods, recipe.eval.tasks = ["eagle3"], ["code-complete"]
+    recipe.eval.prompts_per_task, recipe.eval.max_new_tokens, recipe.eval.k = 1, 4, 2
+    with pytest.raises(HeadMismatchError, match="tokenizer_sha256"):
+        run_eval(recipe, head_dir, target, other)
+    with caplog.at_level(logging.WARNING, logger="draftsmith.export.check"):
+        report = run_eval(recipe, head_dir, target, other, allow_mismatch=("tokenizer_sha256",))
+    assert "overriding tokenizer_sha256" in caplog.text
+    saved = json.loads((tmp_path / "ovr" / "eval" / "report.json").read_text())
+    for record in (report["head_check"], saved["head_check"]):
+        assert record["allow_mismatch"] == ["tokenizer_sha256"]
+        (entry,) = record["overridden"]
+        assert entry["field"] == "tokenizer_sha256"
+        assert entry["head"] == target_identity(target, word_tokenizer())["tokenizer_sha256"]
+        assert entry["target"] == target_identity(target, other)["tokenizer_sha256"]
