@@ -114,7 +114,8 @@ def cmd_generate(args) -> int:
     from draftsmith.inference.engine import Engine
     from draftsmith.inference.generate import GenerationConfig
 
-    engine = Engine.from_pretrained(args.target, args.speculative_config, allow_mismatch=args.allow_mismatch)
+    engine = Engine.from_pretrained(args.target, args.speculative_config, allow_mismatch=args.allow_mismatch,
+                                    max_model_len=args.max_model_len)
     ids = prompt_ids(engine.tokenizer, [{"role": "user", "content": args.prompt}])
     gen = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                            eos_token_ids=engine.eos_token_ids)
@@ -131,7 +132,8 @@ def cmd_serve(args) -> int:
     from draftsmith.inference.server import serve
 
     engine = Engine.from_pretrained(args.target, args.speculative_config, dtype=args.dtype, revision=args.revision,
-                                    served_model_name=args.served_model_name, allow_mismatch=args.allow_mismatch)
+                                    served_model_name=args.served_model_name, allow_mismatch=args.allow_mismatch,
+                                    max_model_len=args.max_model_len)
     serve(engine, host=args.host, port=args.port)
     return 0
 
@@ -195,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion (memory plan)")
     p.set_defaults(fn=cmd_generate)
     p = sub.add_parser("serve", help="OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)")
     p.add_argument("--target", default="reference")
@@ -206,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + completion served (default: the target's max_position_embeddings)")
     p.set_defaults(fn=cmd_serve)
     return parser
 

@@ -9,6 +9,9 @@ implements (``method``, ``model``, ``num_speculative_tokens``, ``prompt_lookup_m
 ``prompt_lookup_max``, as in ``vllm/config/speculative.py``); any other key is refused.
 
 Startup:
+  0. ``from_pretrained`` only: the memory plan (``inference/memory.py``) estimates weights + KV caches of the
+     target and the drafter for ``max_model_len`` from their configs, before loading anything, and stops
+     with advice (``MemoryPlanError``) when they exceed the device's free memory;
   1. parse the speculative config (unknown keys, bad values -> ValueError);
   2. eagle3: ``export.check.load_eagle3`` checks the head's metadata against the target and tokenizer
      (a mismatch raises ``HeadMismatchError``: the engine does not start); the head is loaded ONCE and
@@ -26,6 +29,7 @@ cut before the first stop string, generation ends at the token that completed it
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from dataclasses import dataclass, fields
@@ -38,6 +42,8 @@ from .generate import GenerationConfig, GenerationResult, SpecStats, generate_pl
 from .metrics import EngineMetrics
 from .proposers import DraftModelProposer, NgramProposer, Proposal, Proposer, check_same_tokenizer
 from .target import TargetModel
+
+logger = logging.getLogger(__name__)
 
 SPECULATIVE_METHODS = ("draft_model", "eagle3", "ngram")
 HEAD_METADATA_FILE = "draftsmith.json"     # what marks an exported EAGLE-3 head directory
@@ -272,14 +278,16 @@ class Engine:
         speculative_config: a ``SpeculativeConfig``, its dict or JSON string, or None (plain decoding).
         model_name: the name clients send as ``model`` (``/v1/models``).
         allow_mismatch: EAGLE-3 identity fields to override (as ``load_eagle3``; CLI ``--allow-mismatch``).
+        max_model_len: longest prompt + completion served, in tokens (default and upper bound: the target's
+            max_position_embeddings; as vLLM's ``--max-model-len``).
 
     Raises:
-        ValueError: a bad speculative config; a draft model whose tokenizer or vocabulary is not the
-            target's. ``HeadMismatchError`` (a ValueError): an EAGLE-3 head that does not fit the target.
+        ValueError: a bad speculative config or max_model_len; a draft model whose tokenizer or vocabulary is
+            not the target's. ``HeadMismatchError`` (a ValueError): an EAGLE-3 head that does not fit the target.
     """
 
     def __init__(self, model, tokenizer, speculative_config=None, *, model_name: str = "draftsmith",
-                 allow_mismatch: Sequence[str] = ()):
+                 allow_mismatch: Sequence[str] = (), max_model_len: int | None = None):
         self.spec = SpeculativeConfig.parse(speculative_config)
         self.tokenizer, self.model_name = tokenizer, model_name
         self.head = self.draft_model = None
@@ -303,7 +311,11 @@ class Engine:
         if self.draft_model is not None:
             DraftModelProposer(self.draft_model, self.target.vocab_size)   # refuses a vocab size mismatch now
         self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
-        self.max_model_len = int(self.target.config.max_position_embeddings)
+        limit = int(self.target.config.max_position_embeddings)
+        if max_model_len is not None and not 0 < max_model_len <= limit:
+            raise ValueError(f"max_model_len must be in 1..{limit} (the target's max_position_embeddings), "
+                             f"got {max_model_len}")
+        self.max_model_len = int(max_model_len or limit)
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.metrics = EngineMetrics(self.k)
         self._lock = threading.Lock()
@@ -311,15 +323,33 @@ class Engine:
     @classmethod
     def from_pretrained(cls, target: str, speculative_config=None, *, revision: str | None = None,
                         dtype: str = "float32", device: str | None = None, served_model_name: str | None = None,
-                        allow_mismatch: Sequence[str] = ()) -> "Engine":
+                        allow_mismatch: Sequence[str] = (), max_model_len: int | None = None,
+                        check_memory: bool = True) -> "Engine":
         """Load ``target`` (a Hub id, a folder, or ``reference``) on ``device`` (default: cuda when
-        available) and build the engine; ``served_model_name`` defaults to ``target``."""
+        available) and build the engine; ``served_model_name`` defaults to ``target``.
+
+        Before loading, ``inference.memory.plan_for_engine`` estimates weights + KV caches of the target and
+        the drafter for ``max_model_len`` and compares them with the device's free memory
+        (``check_memory=False`` skips it).
+
+        Raises:
+            MemoryPlanError (a ValueError): the plan does not fit; the message says what to change.
+        """
         from draftsmith.models import load_causal_lm
 
+        from .memory import plan_for_engine
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        speculative_config = SpeculativeConfig.parse(speculative_config)
+        if check_memory:
+            plan = plan_for_engine(target, speculative_config, dtype=dtype, device=device,
+                                   max_model_len=max_model_len, revision=revision)
+            logger.info("%s", plan.summary())
+            plan.check()
         model, tokenizer = load_causal_lm(target, revision=revision, dtype=dtype)
-        model.to(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        model.to(device)
         return cls(model, tokenizer, speculative_config, model_name=served_model_name or target,
-                   allow_mismatch=allow_mismatch)
+                   allow_mismatch=allow_mismatch, max_model_len=max_model_len)
 
     def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         """Refuse (``RequestError``) an empty prompt, ids outside the vocabulary, or prompt + max_new_tokens
