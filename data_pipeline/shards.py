@@ -442,6 +442,11 @@ class ShardReader:
         k = bisect.bisect_right(self._starts, i) - 1
         return self._read(k, i - self._starts[k])
 
+    def lengths(self) -> list[int]:
+        """Tokens of every stored sequence, in index order (read from shard headers, no tensor data)."""
+        return [int(self._shard(k).get_slice(f"{j}.input_ids").get_shape()[0])
+                for k, entry in enumerate(self.shards) for j in range(entry["sequences"])]
+
     def __iter__(self):
         for k, entry in enumerate(self.shards):
             for j in range(entry["sequences"]):

@@ -1,32 +1,51 @@
-"""EAGLE-3 head training with online capture from the frozen target, through accelerate.
+"""EAGLE-3 head training through accelerate: online or offline capture, any strategy, resumable.
 
-Steps of one optimiser step:
-  1. a batch of rendered conversations, right-padded (input_ids, attention_mask, loss_mask [B, T]);
-  2. the frozen target runs once without grad -> aux states [B, T, 3H] and logits [B, T, V];
-  3. training-time test unroll of the head (``train.ttt``) -> loss, per-step accuracy;
-  4. backward, grad clip, AdamW step, warmup + cosine schedule; tqdm and (optionally) wandb on rank 0.
+    draftsmith train recipes/reference/eagle3.yaml                                # one process
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 \\
+        -m draftsmith.cli train RECIPE train.strategy=ddp train.num_processes=2    # see train.distributed
+
+Steps of one optimiser step (``Eagle3Trainer.train_step``):
+  1. this rank's micro-batches of the step's global batch (``train.batches.StepSchedule``);
+  2. per micro-batch: right-padded sequences with the target's aux states [B, T, 3H] and logits
+     [B, T, V], from the frozen target (online) or from capture shards (offline) (``train.batches``);
+  3. training-time-test unroll of the head (``train.ttt``) -> loss, per-step accuracy; backward,
+     gradients averaged over micro-batches (accumulation) and ranks (DDP / FSDP2 / DeepSpeed);
+  4. grad clip, AdamW step, warmup + cosine schedule;
+  5. bookkeeping outside the step (``Eagle3Trainer.run``): log (loss, per-step accuracy, lr, grad norm,
+     tokens/s) to tqdm, train_log.json and the trackers (wandb, tensorboard) on rank 0; every
+     ``acceptance.every`` steps τ on the held-out split (``train.acceptance``); checkpoints.
 Data order is a function of (seed, epoch), so a checkpoint's step number is its data position.
-
-Run: ``draftsmith train recipes/reference/eagle3.yaml`` (or ``accelerate launch -m draftsmith.cli train ...``).
 """
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
+import logging
 import math
-import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tqdm.auto import tqdm
 
-from draftsmith.data_pipeline.capture import capture
-from draftsmith.data_pipeline.dataset import RenderedDataset, pad_batch
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.vocab import VocabMap
-from draftsmith.train.checkpoint import load_checkpoint, save_checkpoint
+from draftsmith.train import distributed as dist_utils
+from draftsmith.train.acceptance import (AcceptanceConfig, heldout_prompts, log_fields, measure_acceptance,
+                                         stats_from_tensor, stats_tensor)
+from draftsmith.train.batches import (OfflineSource, OnlineSource, StepSchedule, TrainBatch, batches_for_epoch,
+                                      micro_batch_size)
+from draftsmith.train.checkpoint import (begin_checkpoint, checkpoint_vocab_map, commit_checkpoint, read_checkpoint,
+                                         restore_params, restore_rng, write_checkpoint)
 from draftsmith.train.ttt import ttt_loss
+
+__all__ = ["HeadConfig", "TrainConfig", "TrainResult", "Eagle3Trainer", "TTTObjective", "train_eagle3",
+           "build_head", "lr_lambda", "batches_for_epoch"]
+logger = logging.getLogger(__name__)
+TRACKERS = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX")}
 
 
 @dataclass
@@ -42,11 +61,14 @@ class HeadConfig:
 
 @dataclass
 class TrainConfig:
-    """Optimisation. EAGLE-3 paper defaults: AdamW(0.9, 0.95), grad clip 0.5 (lr 5e-5 for 8B targets)."""
+    """Optimisation, data mode, distribution and logging. EAGLE-3 paper defaults: AdamW(0.9, 0.95),
+    grad clip 0.5, lr 5e-5 for 8B targets."""
 
     epochs: int = 2
     max_steps: int | None = None             #: stop after this many optimiser steps
-    batch_size: int = 8
+    batch_size: int = 8                      #: sequences per optimiser step, over all processes
+    micro_batch_size: int | None = None      #: sequences per forward per process; None = batch_size / processes.
+    #: gradient accumulation steps = batch_size / (micro_batch_size x processes)
     lr: float = 1e-3
     warmup_steps: int = 20
     min_lr_ratio: float = 0.1
@@ -56,41 +78,26 @@ class TrainConfig:
     threads: int | None = None               #: torch CPU threads; None = leave torch's default
     ckpt_every: int = 0                      #: optimiser steps between checkpoints; 0 = only at the end
     log_every: int = 10
-    wandb_project: str | None = None         #: log to wandb (WANDB_MODE=offline works without network)
     mixed_precision: str = "no"              #: accelerate mixed precision for the head: no | bf16 | fp16
     group_by_length: bool = False            #: batches of similar lengths (less padding; see batches_for_epoch)
+    mode: Literal["online", "offline"] = "online"   #: offline: read runs/NAME/capture (``draftsmith capture``)
+    strategy: Literal["auto", "single", "ddp", "fsdp", "zero2", "zero3"] = "auto"   #: checked at start
+    num_processes: int | None = None         #: expected world size, checked at start; None = not checked
+    trackers: list[str] = field(default_factory=list)   #: wandb | tensorboard (rank 0, via accelerate)
+    wandb_project: str | None = None         #: tracker project name; setting it alone turns wandb on
+    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)   #: in-loop τ on held-out data
 
 
 @dataclass
 class TrainResult:
-    """What a finished run produced."""
+    """What a finished run produced; ``head`` is full (unsharded) on every rank."""
 
     head: Eagle3Head
     steps: int
     log: list[dict] = field(default_factory=list)
     seconds: float = 0.0
-
-
-def batches_for_epoch(n: int, batch_size: int, seed: int, epoch: int,
-                      lengths: list[int] | None = None, megabatch: int = 32) -> list[list[int]]:
-    """Shuffled index batches of epoch ``epoch``; a pure function of its arguments.
-
-    With ``lengths`` (tokens per example) batches are grouped by length the way transformers'
-    ``LengthGroupedSampler`` does: the shuffled order is cut into mega-batches of ``megabatch``
-    batches, each sorted by length (longest first) and cut into batches, and the batches are shuffled.
-    Right padding then wastes little compute while the epoch still visits every example once."""
-    rng = random.Random(seed * 7919 + epoch)
-    order = list(range(n))
-    rng.shuffle(order)
-    if lengths is None:
-        return [order[i:i + batch_size] for i in range(0, n, batch_size)]
-    span = batch_size * megabatch
-    batches = []
-    for m in range(0, n, span):
-        group = sorted(order[m:m + span], key=lambda i: -lengths[i])
-        batches += [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
-    rng.shuffle(batches)
-    return batches
+    is_main_process: bool = True
+    sharding: dict = field(default_factory=dict)
 
 
 def build_head(target, vocab_map: VocabMap, cfg: HeadConfig) -> Eagle3Head:
@@ -116,80 +123,305 @@ def lr_lambda(cfg: TrainConfig, total_steps: int):
     return f
 
 
-def train_eagle3(target, data: RenderedDataset, vocab_map: VocabMap, head_cfg: HeadConfig, cfg: TrainConfig,
-                 out_dir: Path, pad_id: int, run_config: dict | None = None) -> TrainResult:
+class TTTObjective(torch.nn.Module):
+    """The head and its TTT loss as one module, so that DDP, FSDP2 and DeepSpeed see a ``forward``
+    (their gradient hooks are armed there). Parameters live at ``.head`` (names ``head.fc.weight``, ...).
+
+    forward(aux_hidden [B, T, 3H], input_ids [B, T], target_logits [B, T, V], loss_mask [B, T],
+    attention_mask [B, T]) -> (loss scalar, stats [3, S] float: per-step loss, accuracy, count)."""
+
+    def __init__(self, head: Eagle3Head, step_decay: float, prompt_loss_weight: float):
+        super().__init__()
+        self.head, self.step_decay, self.prompt_loss_weight = head, step_decay, prompt_loss_weight
+
+    def forward(self, aux_hidden, input_ids, target_logits, loss_mask, attention_mask):
+        out = ttt_loss(self.head, aux_hidden, input_ids, target_logits, loss_mask, step_decay=self.step_decay,
+                       attention_mask=attention_mask, prompt_loss_weight=self.prompt_loss_weight)
+        stats = torch.tensor([out.step_loss, out.step_acc, out.step_count], dtype=torch.float64)
+        return out.loss, stats
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    """Nested config -> {dotted key: scalar or str} (what tensorboard hparams accept)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
+    return out
+
+
+def _trackers(cfg: TrainConfig) -> list[str]:
+    names = list(dict.fromkeys(cfg.trackers + (["wandb"] if cfg.wandb_project else [])))
+    for name in names:
+        if name not in TRACKERS:
+            raise ValueError(f"unknown tracker {name!r} in train.trackers; known: {', '.join(TRACKERS)}")
+        if not any(importlib.util.find_spec(m) for m in TRACKERS[name]):
+            raise ImportError(f"train.trackers asks for {name} but it is not installed: pip install {TRACKERS[name][0]}")
+    return names
+
+
+class Eagle3Trainer:
+    """One training run. ``__init__`` sets everything up (launch check, head, wrapping, resume);
+    :meth:`train_step` is one optimiser step; :meth:`run` trains to the end and returns the result.
+
+    Args:
+        target: the frozen HF causal LM (online: it runs every step; offline: only its embedding,
+            lm_head and final norm are used, plus generation for in-loop τ).
+        data: ``RenderedDataset`` (online) or ``data_pipeline.shards.ShardReader`` (offline).
+        vocab_map: the draft vocabulary; on resume the checkpoint's map is kept (warning if it differs).
+        heldout, tokenizer: held-out conversations and the target's tokenizer for in-loop τ.
+    Raises:
+        distributed.LaunchError: the launched processes do not match ``cfg.strategy`` / ``num_processes``.
+        ValueError: inconsistent batch sizes, a checkpoint from another strategy family, offline
+            shards captured at other aux layers.
+    """
+
+    def __init__(self, target, data, vocab_map: VocabMap, head_cfg: HeadConfig, cfg: TrainConfig, out_dir: Path,
+                 pad_id: int, run_config: dict | None = None, heldout: list[dict] | None = None, tokenizer=None):
+        from accelerate.utils import set_seed
+
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        set_seed(cfg.seed)
+        self.cfg, self.head_cfg, self.out_dir = cfg, head_cfg, Path(out_dir)
+        self.target, self.tokenizer, self.run_config = target, tokenizer, run_config or {}
+        trackers = _trackers(cfg)
+        acc = self.accelerator = dist_utils.make_accelerator(cfg.mixed_precision, trackers,
+                                                             str(self.out_dir / "logs") if trackers else None)
+        self.strategy = dist_utils.check_launch(acc, cfg.strategy, cfg.num_processes)
+        self.ckpt = self.out_dir / "checkpoint"
+        resume = read_checkpoint(self.ckpt) if (self.ckpt / "state.json").exists() else None
+        self.vocab_map = self._resume_vocab_map(vocab_map, resume)
+        target.requires_grad_(False)
+        target.to(acc.device)
+        head = build_head(target, self.vocab_map, head_cfg)
+        if resume is not None:
+            restore_params(head, resume.params, f"checkpoint {self.ckpt}")
+        self.source = self._source(data, target, pad_id, head.config.aux_layer_ids)
+        micro = micro_batch_size(cfg.batch_size, cfg.micro_batch_size, acc.num_processes)
+        self.schedule = StepSchedule(len(self.source), cfg.batch_size, micro, acc.num_processes, cfg.seed,
+                                     self.source.lengths() if cfg.group_by_length else None)
+        acc.gradient_accumulation_steps = self.schedule.grad_accum
+        self.total = self.schedule.total_steps(cfg.epochs, cfg.max_steps)
+        self.raw = TTTObjective(head, head_cfg.step_decay, head_cfg.prompt_loss_weight)
+        self._wrap(micro, resume)
+        report = dist_utils.sharding_report(self.strategy, acc, self.module, self.optimizer)
+        dist_utils.check_sharding(report)
+        self.sharding = report.as_dict()
+        acc.print(f"draftsmith train: {self.strategy} on {acc.num_processes} process(es), {self.source.mode} mode, "
+                  f"{self.schedule.grad_accum} accumulation step(s) of {micro} sequences per process; rank 0 holds "
+                  f"{report.local}/{report.full} trainable elements")
+        self.step, self.log = (resume.step, resume.state["extra"].get("log", [])) if resume else (0, [])
+        if resume is not None:
+            restore_rng(resume.rng)
+        self.heldout = heldout_prompts(heldout or [], cfg.acceptance.prompts) if cfg.acceptance.every else []
+        if cfg.acceptance.every and (not self.heldout or tokenizer is None):
+            raise ValueError("acceptance.every > 0 needs held-out conversations and the tokenizer "
+                             "(data.heldout_conversations > 0)")
+        if trackers:
+            acc.init_trackers(cfg.wandb_project or "draftsmith", config=_flat(self.run_config),
+                              init_kwargs={"wandb": {"dir": str(self.out_dir)}})
+
+    # -- setup helpers -------------------------------------------------------------------------
+    def _resume_vocab_map(self, vocab_map: VocabMap, resume) -> VocabMap:
+        """The checkpoint's vocab map wins on resume: the weights were trained on it."""
+        if resume is None:
+            return vocab_map
+        saved = checkpoint_vocab_map(self.ckpt)
+        if saved is None:                         # checkpoint written before maps were saved: only the hash is known
+            if resume.state["extra"].get("d2t_sha256") != vocab_map.sha256():
+                raise ValueError(f"{self.ckpt} was trained with another vocab map and does not hold it; keep the "
+                                 "run's prepared data or start anew")
+            return vocab_map
+        if saved.sha256() != vocab_map.sha256():
+            logger.warning("resuming %s: the data's draft vocabulary differs from the checkpoint's; keeping the "
+                           "checkpoint's (the head was trained on it)", self.ckpt)
+        return saved
+
+    def _source(self, data, target, pad_id: int, aux_layer_ids):
+        from draftsmith.data_pipeline.shards import ShardReader
+
+        if isinstance(data, ShardReader):
+            if self.cfg.mode != "offline":
+                logger.info("data is a capture folder: training in offline mode")
+            return OfflineSource(data, target.get_output_embeddings(), pad_id, aux_layer_ids)
+        if self.cfg.mode == "offline":
+            raise ValueError("train.mode is offline but the data is not a capture folder (ShardReader); run "
+                             "`draftsmith capture RECIPE` first")
+        return OnlineSource(data, target, pad_id, aux_layer_ids)
+
+    def _wrap(self, micro: int, resume) -> None:
+        """Wrap the objective for the strategy, build AdamW and the schedule, restore optimizer state."""
+        cfg, acc, strategy = self.cfg, self.accelerator, self.strategy
+        zero = strategy in ("zero2", "zero3")
+        if resume is not None and zero != (resume.path / "deepspeed").exists():
+            raise ValueError(f"{self.ckpt} was written by a {'non-' if zero else ''}DeepSpeed run; resume it with the "
+                             f"strategy family that wrote it (strategy {resume.state['extra'].get('strategy')!r})")
+        if strategy == "fsdp":
+            dist_utils.apply_fsdp2(self.raw, acc.device, acc.num_processes, cfg.mixed_precision)
+        self.base_optimizer = torch.optim.AdamW(self.raw.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
+                                                weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.base_optimizer, lr_lambda(cfg, self.total))
+        if resume is not None and not zero:
+            dist_utils.load_full_optimizer_state(strategy, self.raw, self.raw, self.base_optimizer,
+                                                 resume.optimizer_state, resume.state.get("param_groups", []))
+        if strategy == "fsdp":
+            self.module, self.optimizer = self.raw, self.base_optimizer
+        else:
+            if zero:
+                dist_utils.configure_deepspeed(acc, micro, self.schedule.grad_accum, cfg.grad_clip)
+            self.module, self.optimizer = acc.prepare(self.raw, self.base_optimizer)
+        if resume is not None:
+            if zero:
+                self.module.load_checkpoint(str(resume.path / "deepspeed"), tag="state", load_optimizer_states=True,
+                                            load_lr_scheduler_states=False)
+            if "scheduler" in resume.state:
+                self.scheduler.load_state_dict(resume.state["scheduler"])
+            for group, lr in zip(self.base_optimizer.param_groups, self.scheduler.get_last_lr()):
+                group["lr"] = lr                  # the schedule's value for the next step
+
+    # -- the algorithm -------------------------------------------------------------------------
+    def _forward_backward(self, batch: TrainBatch, last: bool) -> torch.Tensor:
+        """Loss and backward of one micro-batch; gradients sync across ranks only on the ``last`` one."""
+        acc = self.accelerator
+        if self.strategy == "fsdp":
+            self.module.set_requires_gradient_sync(last)
+        autocast = contextlib.nullcontext() if self.strategy == "fsdp" else acc.autocast()
+        with acc.accumulate(self.module), autocast:
+            loss, stats = self.module(batch.aux_hidden, batch.input_ids, batch.target_logits, batch.loss_mask,
+                                      batch.attention_mask)
+            acc.backward(loss)
+        return loss.detach(), stats
+
+    def _clip(self) -> float:
+        if self.strategy == "fsdp":
+            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        else:
+            norm = self.accelerator.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
+        return float(norm) if norm is not None else float("nan")
+
+    def train_step(self) -> dict:
+        """One optimiser step over this rank's micro-batches (steps 1-4 of the module docstring).
+
+        Returns the step's figures over all ranks: loss (mean over micro-batches), per-step accuracy
+        (over supervised rows), real tokens, grad norm (before clipping) and the lr used."""
+        acc = self.accelerator
+        micro = self.schedule.micro_batches(self.step, acc.process_index)
+        steps = self.head_cfg.ttt_steps
+        totals = torch.zeros(3 + 2 * steps, dtype=torch.float64)    # loss sum, micro-batches, tokens, hits, counts
+        for j, indices in enumerate(micro):
+            batch = self.source.batch(indices, acc.device)
+            loss, stats = self._forward_backward(batch, last=j == len(micro) - 1)
+            totals[0] += float(loss)
+            totals[1] += 1
+            totals[2] += batch.num_tokens
+            totals[3:3 + steps] += stats[1] * stats[2]
+            totals[3 + steps:] += stats[2]
+        grad_norm = self._clip()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        totals = self._sum_over_ranks(totals)
+        hits, counts = totals[3:3 + steps], totals[3 + steps:]
+        return {"loss": float(totals[0] / totals[1]), "tokens": int(totals[2]), "grad_norm": grad_norm, "lr": lr,
+                **{f"acc_{i}": float(hits[i] / max(counts[i], 1.0)) for i in range(steps)}}
+
+    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        if self.accelerator.num_processes == 1:
+            return t
+        import torch.distributed as dist
+
+        t = t.to(self.accelerator.device)
+        dist.all_reduce(t)
+        return t.cpu()
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def full_head(self) -> Eagle3Head:
+        """The head with full weights on every rank (a fresh copy for fsdp / zero3; collective there)."""
+        head = self.raw.head
+        if self.strategy not in ("fsdp", "zero3"):
+            return head
+        params = dist_utils.full_head_params(self.strategy, self.module, self.raw)
+        copy = build_head(self.target, self.vocab_map, replace(self.head_cfg, init_from_target=False))
+        restore_params(copy, params, "gathered head")
+        return copy.to(self.accelerator.device)
+
+    def measure_acceptance(self) -> dict:
+        """τ and acceptance on the held-out prompts, summed over ranks (collective)."""
+        acc, a = self.accelerator, self.cfg.acceptance
+        with torch.no_grad():
+            stats = measure_acceptance(self.target, self.tokenizer, self.full_head(), self.heldout, a.k,
+                                       a.max_new_tokens, acc.process_index, acc.num_processes)
+        return log_fields(stats_from_tensor(self._sum_over_ranks(stats_tensor(stats)), a.k))
+
+    def save(self) -> None:
+        """Checkpoint (collective): full head params and optimizer state, schedule, RNG, step, vocab map."""
+        acc, strategy = self.accelerator, self.strategy
+        params = dist_utils.full_head_params(strategy, self.module, self.raw)
+        optim = dist_utils.full_optimizer_state(strategy, self.module, self.raw, self.base_optimizer)
+        staging = self.ckpt.with_name(self.ckpt.name + ".tmp")
+        if acc.is_main_process:
+            begin_checkpoint(self.ckpt)
+        acc.wait_for_everyone()
+        if strategy in ("zero2", "zero3"):
+            self.module.save_checkpoint(str(staging / "deepspeed"), tag="state", save_latest=False)
+            acc.wait_for_everyone()
+        if acc.is_main_process:
+            extra = {"log": self.log, "d2t_sha256": self.vocab_map.sha256(), "config": self.run_config,
+                     "strategy": strategy, "world_size": acc.num_processes, "mode": self.source.mode}
+            write_checkpoint(staging, params, optim, self.base_optimizer.param_groups, self.scheduler.state_dict(),
+                             self.step, extra, self.vocab_map)
+            commit_checkpoint(self.ckpt)
+        acc.wait_for_everyone()
+
+    def run(self) -> TrainResult:
+        """Train from the current step to the end; returns the full head and the log."""
+        acc, cfg = self.accelerator, self.cfg
+        bar = tqdm(total=self.total, initial=self.step, desc="train eagle3", disable=not acc.is_main_process)
+        t0 = last_time = time.time()
+        tokens = 0
+        while self.step < self.total:
+            figures = self.train_step()
+            tokens += figures["tokens"]
+            bar.update(1)
+            bar.set_postfix(loss=f"{figures['loss']:.3f}", acc0=f"{figures['acc_0']:.2f}")
+            measured = bool(cfg.acceptance.every) and self.step % cfg.acceptance.every == 0
+            if measured:
+                figures.update(self.measure_acceptance())
+            if self.step % cfg.log_every == 0 or self.step == self.total or measured:
+                now = time.time()
+                entry = {"step": self.step, "epoch": (self.step - 1) // self.schedule.steps_per_epoch,
+                         "tokens_per_s": tokens / max(now - last_time, 1e-9),
+                         **{k: v for k, v in figures.items() if k != "tokens"}}
+                tokens, last_time = 0, now
+                self.log.append(entry)
+                acc.log(entry, step=self.step)
+                if measured:
+                    acc.print(f"step {self.step}: tau {entry['tau']:.3f} on {len(self.heldout)} held-out prompts")
+            if (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or self.step == self.total:
+                self.save()
+        bar.close()
+        head = self.full_head()
+        for tracker in acc.trackers:          # not acc.end_training(): it also destroys the process group
+            tracker.finish()
+        if acc.is_main_process:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "train_log.json").write_text(json.dumps(self.log, indent=1))
+        return TrainResult(head, self.step, self.log, time.time() - t0, acc.is_main_process, self.sharding)
+
+
+def train_eagle3(target, data, vocab_map: VocabMap, head_cfg: HeadConfig, cfg: TrainConfig, out_dir: Path,
+                 pad_id: int, run_config: dict | None = None, heldout: list[dict] | None = None,
+                 tokenizer=None) -> TrainResult:
     """Train a head on ``data`` against the frozen ``target``; checkpoints go to ``out_dir/checkpoint``.
 
-    Resumes from that checkpoint when it exists (same data order, same next batch)."""
-    from accelerate import Accelerator
-    from accelerate.utils import set_seed
-
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    set_seed(cfg.seed)
-    accelerator = Accelerator(mixed_precision=cfg.mixed_precision, cpu=not torch.cuda.is_available())
-    target.requires_grad_(False)
-    target.to(accelerator.device)
-    head = build_head(target, vocab_map, head_cfg)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
-    per_epoch = math.ceil(len(data) / cfg.batch_size)
-    lengths = [len(x) for x in data.input_ids] if cfg.group_by_length else None
-    total = min(cfg.max_steps or per_epoch * cfg.epochs, per_epoch * cfg.epochs)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, total))
-    ckpt = out_dir / "checkpoint"
-    start, log = 0, []
-    if (ckpt / "state.json").exists():
-        state = load_checkpoint(ckpt, head, opt, sched)
-        if state["extra"].get("d2t_sha256") != vocab_map.sha256():
-            raise ValueError(f"{ckpt} was trained with another vocab map; keep the run's prepared data or start anew")
-        start, log = state["step"], state["extra"].get("log", [])
-    head, opt, sched = accelerator.prepare(head, opt, sched)
-    raw_head = accelerator.unwrap_model(head)
-    tracker = _wandb(cfg, run_config) if accelerator.is_main_process else None
-    bar = tqdm(total=total, initial=start, desc="train eagle3", disable=not accelerator.is_main_process)
-    step, t0, tokens = start, time.time(), 0
-    while step < total:
-        epoch, within = divmod(step, per_epoch)
-        idx = batches_for_epoch(len(data), cfg.batch_size, cfg.seed, epoch, lengths)[within]
-        ids, attn, mask = pad_batch([data.input_ids[i] for i in idx], [data.loss_mask[i] for i in idx], pad_id)
-        ids, attn, mask = ids.to(accelerator.device), attn.to(accelerator.device), mask.to(accelerator.device)
-        cap = capture(target, ids, raw_head.config.aux_layer_ids, attention_mask=attn)
-        with accelerator.autocast():
-            out = ttt_loss(raw_head, cap.aux_hidden, ids, cap.target_logits, mask, step_decay=head_cfg.step_decay,
-                           attention_mask=attn, prompt_loss_weight=head_cfg.prompt_loss_weight)
-        accelerator.backward(out.loss)
-        accelerator.clip_grad_norm_(head.parameters(), cfg.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        step += 1
-        tokens += int(attn.sum())
-        bar.update(1)
-        bar.set_postfix(loss=f"{out.loss.item():.3f}", acc0=f"{out.step_acc[0]:.2f}")
-        if step % cfg.log_every == 0 or step == total:
-            entry = {"step": step, "epoch": epoch, "loss": out.loss.item(), "lr": sched.get_last_lr()[0],
-                     "tokens_per_s": tokens / (time.time() - t0),
-                     **{f"acc_{i}": a for i, a in enumerate(out.step_acc)}}
-            log.append(entry)
-            if tracker is not None:
-                tracker.log(entry, step=step)
-        if (cfg.ckpt_every and step % cfg.ckpt_every == 0) or step == total:
-            accelerator.wait_for_everyone()
-            if accelerator.is_main_process:
-                save_checkpoint(ckpt, raw_head, opt, sched, step=step,
-                                extra={"log": log, "d2t_sha256": vocab_map.sha256(), "config": run_config or {}})
-    bar.close()
-    if tracker is not None:
-        tracker.finish()
-    (out_dir / "train_log.json").write_text(json.dumps(log, indent=1))
-    return TrainResult(raw_head, step, log, time.time() - t0)
-
-
-def _wandb(cfg: TrainConfig, run_config: dict | None):
-    if not cfg.wandb_project:
-        return None
-    try:
-        import wandb
-    except ImportError as e:
-        raise ImportError("wandb_project is set but wandb is not installed: pip install wandb") from e
-    return wandb.init(project=cfg.wandb_project, config=run_config or {})
+    ``data``: a ``RenderedDataset`` (online capture) or a ``ShardReader`` over ``draftsmith capture``
+    shards (offline). Resumes from the checkpoint when it exists (same data order, same next batch,
+    the checkpoint's vocab map). Arguments and errors: :class:`Eagle3Trainer`."""
+    return Eagle3Trainer(target, data, vocab_map, head_cfg, cfg, out_dir, pad_id, run_config, heldout,
+                         tokenizer).run()

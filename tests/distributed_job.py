@@ -1,0 +1,69 @@
+"""A tiny EAGLE-3 training run for ``accelerate launch`` (used by tests/test_train_distributed.py).
+
+    ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 \\
+        tests/distributed_job.py OUT --strategy ddp --num-processes 2
+
+Builds the same tiny target, data and vocab map in every process from fixed seeds, trains a few steps
+and writes ``OUT/rank{r}.json`` (log, sharding report, final head checksum) on every rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conftest import make_tiny_llama  # noqa: E402
+
+from draftsmith.data_pipeline.dataset import RenderedDataset  # noqa: E402
+from draftsmith.heads.vocab import build_vocab_map, count_tokens  # noqa: E402
+from draftsmith.train.eagle3 import HeadConfig, TrainConfig, train_eagle3  # noqa: E402
+
+VOCAB = 96
+
+
+def make_data(n: int = 16, t: int = 20, seed: int = 0) -> RenderedDataset:
+    """``n`` random sequences of lengths t-4..t with the first 5 tokens unsupervised."""
+    g = torch.Generator().manual_seed(seed)
+    ids = [torch.randint(2, VOCAB, (t - i % 5,), generator=g) for i in range(n)]
+    return RenderedDataset(ids, [torch.arange(x.numel()) >= 5 for x in ids])
+
+
+def run(out: Path, strategy: str = "auto", num_processes: int | None = None, steps: int = 4, batch_size: int = 4,
+        micro_batch_size: int | None = 2, ckpt_every: int = 0):
+    """Train the tiny head; returns the ``TrainResult``."""
+    target = make_tiny_llama(seed=7)
+    data = make_data()
+    vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, VOCAB), 64, always_include=[1])
+    cfg = TrainConfig(max_steps=steps, epochs=4, batch_size=batch_size, micro_batch_size=micro_batch_size,
+                      lr=3e-3, warmup_steps=2, log_every=1, ckpt_every=ckpt_every, strategy=strategy,
+                      num_processes=num_processes, seed=0)
+    return train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg, out, pad_id=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--strategy", default="auto")
+    parser.add_argument("--num-processes", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--ckpt-every", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    result = run(args.out, args.strategy, args.num_processes, args.steps, ckpt_every=args.ckpt_every)
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    checksum = {n: float(p.detach().double().sum()) for n, p in result.head.named_parameters()}
+    (args.out / f"rank{rank}.json").write_text(json.dumps({"log": result.log, "sharding": result.sharding,
+                                                           "checksum": checksum}, indent=1))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
