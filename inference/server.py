@@ -312,3 +312,54 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: 
     import uvicorn
 
     uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)
+
+
+class BackgroundServer:
+    """uvicorn serving an app on a background thread: for tests and the in-process bench.
+
+        with BackgroundServer(create_app(engine)) as server:     # loopback, a free port
+            httpx.get(server.url + "/health")
+
+    Args:
+        app: the ASGI app. host: bind address (127.0.0.1 by default; loopback only unless told otherwise).
+        port: 0 picks a free port (``self.port`` tells which). log_level: uvicorn's.
+        startup_timeout_s: how long ``__enter__`` waits for the server to accept connections.
+
+    Raises:
+        RuntimeError: the server did not start in time (or its thread died).
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 startup_timeout_s: float = 60.0):
+        import socket
+
+        import uvicorn
+
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.host, self.port = host, self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True,
+                                       name=f"draftsmith-server-{self.port}")
+        self.startup_timeout_s = startup_timeout_s
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.server.should_exit = True
+                raise RuntimeError(f"the server on {self.url} did not start within {self.startup_timeout_s:.0f} s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.socket.close()

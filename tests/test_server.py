@@ -373,3 +373,140 @@ def test_engine_check_prompt(target, tokenizer):
     engine = Engine(target, tokenizer)
     with pytest.raises(RequestError, match="maximum context length is 512"):
         engine.generate([5] * 510, GenerationConfig(max_new_tokens=3))
+
+
+# --- 32 concurrent clients on a real loopback server ------------------------------------------------------
+
+def _concurrent_bodies() -> list[tuple[str, dict]]:
+    """32 different requests: completions and chat, greedy and seeded sampling, streamed or not, stop strings."""
+    prompts = [PROMPT, "w9 w9 w9 w9", "w1 w2 w3 w4 w1 w2", "w30 w31 w30 w31 w30", "w7", "w3 w4 w5 w3 w4 w5 w3 w4",
+               "w50 w51 w52 w53", "w11 w12 w11 w12 w11 w12"]
+    bodies = []
+    for i in range(32):
+        body = {"model": "tiny", "max_tokens": 4 + i % 13, "temperature": 0.0 if i % 3 else 0.9, "seed": i,
+                "stream": i % 4 == 1}
+        if body["stream"]:
+            body["stream_options"] = {"include_usage": True}
+        if i % 8 == 5:
+            body["stop"] = ["w5 w6"]
+        if i % 2:
+            bodies.append(("/v1/chat/completions", body | {"messages": [{"role": "user", "content": prompts[i % 8]}]}))
+        else:
+            bodies.append(("/v1/completions", body | {"prompt": prompts[i % 8]}))
+    return bodies
+
+
+async def _send(client, path: str, body: dict) -> dict:
+    """(text, finish_reason, usage) of one request, streamed or not."""
+    if not body["stream"]:
+        r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        choice, usage = r.json()["choices"][0], r.json()["usage"]
+        text = choice["text"] if path == "/v1/completions" else choice["message"]["content"]
+        return {"text": text, "finish_reason": choice["finish_reason"], "usage": usage}
+    text, finish_reason, usage = "", None, None
+    async with client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if not line or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if event.get("usage"):
+                usage = event["usage"]
+            for choice in event["choices"]:
+                text += choice.get("text") or choice.get("delta", {}).get("content") or ""
+                finish_reason = choice["finish_reason"] or finish_reason
+    return {"text": text, "finish_reason": finish_reason, "usage": usage}
+
+
+def _scrape_text(text: str) -> dict[str, float]:
+    out = {}
+    for line in text.splitlines():
+        m = re.match(r"^([^#\s][^\s{]*(?:\{[^}]*\})?) (\S+)$", line)
+        if m:
+            out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def test_32_concurrent_clients_match_serial_and_metrics_add_up(target, tokenizer):
+    """Every concurrent response equals the same request served alone; /metrics deltas equal the sums of
+    what the responses report (usage) and of each request's own spec-decode counters."""
+    import asyncio
+
+    import httpx
+
+    from draftsmith.inference.server import BackgroundServer
+
+    engine = Engine(target, tokenizer, NGRAM, model_name="tiny")
+    bodies = _concurrent_bodies()
+
+    async def main(url: str):
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+        async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+            async def metrics():
+                return _scrape_text((await client.get("/metrics")).text)
+
+            alone, own = [], []
+            for path, body in bodies:                                   # one at a time: nothing else in flight
+                before = await metrics()
+                alone.append(await _send(client, path, body))
+                after = await metrics()
+                own.append({name: after[name] - before[name] for name in SPEC_COUNTERS})
+            before = await metrics()
+            gate = asyncio.Semaphore(32)                                # bounded: at most 32 requests in flight
+
+            async def bounded(path, body):
+                async with gate:
+                    return await _send(client, path, body)
+            together = await asyncio.wait_for(asyncio.gather(*(bounded(p, b) for p, b in bodies)), timeout=600)
+            after = await metrics()
+            return alone, own, together, before, after
+
+    with BackgroundServer(create_app(engine)) as server:
+        assert server.host == "127.0.0.1"
+        alone, own, together, before, after = asyncio.run(main(server.url))
+        assert httpx.get(server.url + "/health").json() == {"status": "ok"}
+
+    assert together == alone
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in after}
+    assert delta["draftsmith:generation_tokens_total"] == sum(r["usage"]["completion_tokens"] for r in together)
+    assert delta["draftsmith:prompt_tokens_total"] == sum(r["usage"]["prompt_tokens"] for r in together)
+    for reason in ("stop", "length"):
+        name = f'draftsmith:request_success_total{{finished_reason="{reason}"}}'
+        assert delta.get(name, 0.0) == sum(r["finish_reason"] == reason for r in together)
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        assert delta[f"draftsmith:{histogram}_count"] == 32
+    assert delta["draftsmith:time_per_output_token_seconds_count"] == sum(
+        r["usage"]["completion_tokens"] > 1 for r in together)
+    for name in SPEC_COUNTERS:                                          # each request's own counters, summed
+        assert delta[name] == sum(o[name] for o in own)
+        assert delta[name] >= 0
+    assert delta["draftsmith:spec_decode_num_drafts_total"] > 0
+    assert 0 < delta["draftsmith:spec_decode_num_accepted_tokens_total"] <= \
+        delta["draftsmith:spec_decode_num_draft_tokens_total"]
+    per_pos = sum(v for k, v in delta.items() if k.startswith(PER_POS + "{"))
+    assert per_pos == delta["draftsmith:spec_decode_num_accepted_tokens_total"]
+    assert {r["finish_reason"] for r in together} == {"stop", "length"}        # both kinds were served
+    assert any(r["usage"]["completion_tokens"] > 1 for r in together)
+
+
+def test_stop_token_inside_a_chunk_trims_tokens_text_and_usage(ngram_client, target, tokenizer):
+    """A stop token id as the 3rd token of an accepted n-gram chunk: tokens, text and usage all end there."""
+    engine = Engine(target, tokenizer, NGRAM)
+    ids = tokenizer(PROMPT).input_ids
+    full = engine.generate(ids, GenerationConfig(max_new_tokens=16))
+    stop_id = full.tokens[2]
+    assert stop_id not in full.tokens[:2] and full.stats.num_accepted_tokens > 0
+    cut = engine.generate(ids, GenerationConfig(max_new_tokens=16, stop_token_ids=(stop_id,)))
+    assert (cut.tokens, cut.finish_reason) == (full.tokens[:3], "stop")
+    assert cut.text == tokenizer.decode(full.tokens[:3], skip_special_tokens=True)
+    body = complete(ngram_client, stop_token_ids=[stop_id])
+    assert body["choices"][0] == {"index": 0, "text": cut.text, "logprobs": None, "finish_reason": "stop"}
+    assert body["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2])
+def test_ngram_server_returns_exactly_max_tokens(ngram_client, max_tokens):
+    body = complete(ngram_client, max_tokens=max_tokens)
+    assert body["usage"]["completion_tokens"] == max_tokens
+    assert body["choices"][0]["finish_reason"] == "length"
