@@ -10,6 +10,7 @@
     draftsmith eval --head HEAD [--target T] [--methods ...] [--k 5] [--tasks ...] [--allow-mismatch FIELD ...]
     draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
     draftsmith serve --target T [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
+    draftsmith bench --target T [--methods none eagle3 ngram draft_model] [--k 5] [--head HEAD] [--hf-peer]
 
 RECIPE defaults to the packaged ``recipes/reference/eagle3.yaml``; overrides are dotted
 (``train.lr=1e-4``). Every recipe file starts with its exact launch command.
@@ -138,6 +139,17 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from draftsmith.bench.serve import config_from_args, format_table, run_bench, write_report
+
+    cfg = config_from_args(args)
+    report = run_bench(cfg)
+    paths = write_report(report, cfg.out)
+    print(format_table(report))
+    print(f"\nreport: {paths['json']}  table: {paths['table']}  plot: {paths['plot']}")
+    return 0
+
+
 def _add_recipe(p) -> None:
     p.add_argument("recipe", nargs="?", default=None, help=f"YAML recipe (default: {DEFAULT_RECIPE.name})")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
@@ -212,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + completion served (default: the target's max_position_embeddings)")
     p.set_defaults(fn=cmd_serve)
+    from draftsmith.bench.serve import build_parser as bench_parser
+
+    p = sub.add_parser("bench", help="serving benchmark with vs without speculation (table, JSON, PNG)")
+    bench_parser(p).set_defaults(fn=cmd_bench)
     return parser
 
 
