@@ -44,6 +44,23 @@ def run(out: Path, strategy: str = "auto", num_processes: int | None = None, ste
     return train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg, out, pad_id=0)
 
 
+def keep_checkpoint_at(step: int, dest: Path) -> None:
+    """After the checkpoint of ``step`` is committed, copy it to ``dest`` (later ones overwrite the original)."""
+    import shutil
+
+    import draftsmith.train.eagle3 as trainer
+
+    commit = trainer.commit_checkpoint
+
+    def commit_and_copy(path):
+        out = commit(path)
+        if json.loads((Path(path) / "state.json").read_text())["step"] == step:
+            shutil.copytree(path, dest)
+        return out
+
+    trainer.commit_checkpoint = commit_and_copy
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
@@ -51,8 +68,11 @@ def main() -> None:
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--snapshot-at", type=int, default=None, help="copy the checkpoint of this step aside")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.snapshot_at:
+        keep_checkpoint_at(args.snapshot_at, args.out / f"checkpoint-step{args.snapshot_at}")
     result = run(args.out, args.strategy, args.num_processes, args.steps, ckpt_every=args.ckpt_every)
     import torch.distributed as dist
 
