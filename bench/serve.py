@@ -43,6 +43,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+from tqdm.auto import tqdm
+
 logger = logging.getLogger(__name__)
 
 SPEC_COUNTERS = {"drafts": "draftsmith:spec_decode_num_drafts_total",
@@ -230,7 +232,7 @@ def plot_report(report: dict, path: str | Path) -> None:
     axes[1].legend()
     axes[2].bar(names, [r.get("speedup") or 0 for r in rows], color=colors)
     axes[2].axhline(1.0, color="black", lw=1, ls="--")
-    axes[2].set_title("speedup vs no speculation (< 1: not worth enabling)")
+    axes[2].set_title("speedup vs none (hf:* vs hf:plain); < 1: not worth enabling")
     for ax in axes:
         ax.tick_params(axis="x", rotation=30)
         ax.grid(axis="y", alpha=0.3)
@@ -388,8 +390,9 @@ def hf_peer(model, tokenizer, prompts: Sequence[list[int]], cfg: BenchConfig, eo
     forwards = [0]
     hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     results: dict[str, list[BatchResult]] = {name: [] for name in variants}
+    progress = tqdm(total=cfg.rounds * len(variants), desc="bench HF peer", unit="batch")
     try:
-        for round_index in range(cfg.rounds):
+        for _ in range(cfg.rounds):
             for name, kwargs in variants.items():
                 records, counted = [], forwards[0]
                 start = time.perf_counter()
@@ -408,9 +411,11 @@ def hf_peer(model, tokenizer, prompts: Sequence[list[int]], cfg: BenchConfig, eo
                                                  text=tokenizer.decode(new, skip_special_tokens=True)))
                 wall = time.perf_counter() - start
                 results[name].append(BatchResult(records, wall, {"forwards": forwards[0] - counted}))
-                logger.info("round %d %s: %.1f tok/s", round_index, name, sum(r.tokens for r in records) / wall)
+                progress.set_postfix_str(f"{name}: {sum(r.tokens for r in records) / wall:.1f} tok/s")
+                progress.update()
     finally:
         hook.remove()
+        progress.close()
     return results
 
 
@@ -432,14 +437,15 @@ async def _measure(servers: dict[str, tuple[str, str]], prompts, cfg: BenchConfi
         url, model = servers[name]
         await run_batch(url, model, prompts[:1], min(cfg.max_tokens, 8), 1)
     results: dict[str, list[BatchResult]] = {name: [] for name in names}
-    for round_index in range(cfg.rounds):
-        order = names[round_index % len(names):] + names[:round_index % len(names)]
-        for name in order:
-            url, model = servers[name]
-            batch = await run_batch(url, model, prompts, cfg.max_tokens, cfg.concurrency)
-            results[name].append(batch)
-            logger.info("round %d %s: %.1f tok/s", round_index, name,
-                        sum(r.tokens for r in batch.records) / batch.wall_s)
+    with tqdm(total=cfg.rounds * len(names), desc="bench servers", unit="batch") as progress:
+        for round_index in range(cfg.rounds):
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            for name in order:
+                url, model = servers[name]
+                batch = await run_batch(url, model, prompts, cfg.max_tokens, cfg.concurrency)
+                results[name].append(batch)
+                progress.set_postfix_str(f"{name}: {sum(r.tokens for r in batch.records) / batch.wall_s:.1f} tok/s")
+                progress.update()
     return results
 
 
