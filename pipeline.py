@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -89,18 +90,29 @@ def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
     from draftsmith.export.identity import target_identity
     from draftsmith.export.writer import export_eagle3
 
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (recipe.run_dir / "data" / "manifest.json").exists():
+        raise RuntimeError(f"{recipe.run_dir / 'data'} is not prepared: under several processes run `draftsmith prepare "
+                           "RECIPE` (and `draftsmith capture RECIPE` for train.mode=offline) in one process first")
     if target is None:
         target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
     data = run_prepare(recipe, target, tokenizer)
-    rendered = render_dataset(tokenizer, data.conversations, recipe.data.max_length)
-    result = train_eagle3(target, rendered, data.vocab_map, recipe.head, recipe.train, recipe.run_dir / "train",
-                          tokenizer.pad_token_id, run_config=to_dict(recipe))
+    if recipe.train.mode == "offline":
+        from draftsmith.data_pipeline.shards import ShardReader
+
+        train_data = ShardReader(recipe.run_dir / "capture")
+        train_data.check_target(target, tokenizer)
+    else:
+        train_data = render_dataset(tokenizer, data.conversations, recipe.data.max_length)
+    result = train_eagle3(target, train_data, data.vocab_map, recipe.head, recipe.train, recipe.run_dir / "train",
+                          tokenizer.pad_token_id, run_config=to_dict(recipe), heldout=data.heldout, tokenizer=tokenizer)
+    head_dir = recipe.run_dir / "head"
+    if not result.is_main_process:            # under accelerate launch rank 0 exports
+        return head_dir
     identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
     last = result.log[-1] if result.log else {}
     training = {"recipe": to_dict(recipe), "data_manifest": {k: v for k, v in data.manifest.items() if k != "key"},
                 "steps": result.steps, "seconds": result.seconds,
-                "final": {k: v for k, v in last.items() if k.startswith(("loss", "acc_"))}}
-    head_dir = recipe.run_dir / "head"
+                "final": {k: v for k, v in last.items() if k.startswith(("loss", "acc_", "tau", "acceptance"))}}
     export_eagle3(result.head, head_dir, identity, target.config, training=training,
                   formats=tuple(recipe.export.formats), speculative_tokens=recipe.eval.k)
     return head_dir
@@ -118,7 +130,7 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
     from draftsmith.export.identity import target_identity
     from draftsmith.export.metadata import METADATA_FILE
     from draftsmith.export.writer import export_eagle3, reexport_head
-    from draftsmith.train.checkpoint import load_checkpoint
+    from draftsmith.train.checkpoint import checkpoint_vocab_map, load_checkpoint
     from draftsmith.train.eagle3 import build_head
 
     if (Path(run_dir) / METADATA_FILE).is_file():
@@ -130,7 +142,8 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
     recipe = from_dict(Recipe, state["extra"]["config"])
     target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
     data = load_prepared(Path(run_dir) / "data")
-    head = build_head(target, data.vocab_map, recipe.head)
+    saved_map = checkpoint_vocab_map(ckpt)                # the map the weights were trained on, when saved
+    head = build_head(target, saved_map if saved_map is not None else data.vocab_map, recipe.head)
     load_checkpoint(ckpt, head)
     identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
     training = {"recipe": state["extra"]["config"], "steps": state["step"],

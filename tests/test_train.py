@@ -299,3 +299,30 @@ def test_wandb_offline(tiny_llama, tmp_path, monkeypatch):
 def test_tensorboard(tiny_llama, tmp_path):
     run(tiny_llama(seed=7), make_data(), tmp_path, max_steps=2, trackers=["tensorboard"])
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
+
+
+def test_pipeline_trains_offline_from_capture(tiny_llama, chatml, tmp_path):
+    """`draftsmith capture` then `draftsmith train` with train.mode=offline: the head trains from the
+    shards, τ is measured on the held-out split and lands in the exported metadata."""
+    from draftsmith.config import load_config
+    from draftsmith.pipeline import Recipe, run_capture, run_train
+
+    source = tmp_path / "conversations.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in conversations(14)))
+    recipe = load_config(Recipe, None, [
+        f"out_dir={tmp_path / 'runs'}", "name=offline", f"data.source={source}", "data.num_conversations=11",
+        "data.heldout_conversations=3", "data.regenerate=false", "data.max_length=48", "data.draft_vocab_size=128",
+        "head.aux_layer_ids=[1, 2, 3]", "head.ttt_steps=2", "train.mode=offline", "train.max_steps=3",
+        "train.batch_size=4", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every=1",
+        "train.acceptance.every=3", "train.acceptance.prompts=2", "train.acceptance.k=2",
+        "train.acceptance.max_new_tokens=6", "capture.shard_size=5", "capture.batch_size=2", "export.formats=[draftsmith]"])
+    target = tiny_llama(seed=3, vocab_size=len(chatml))
+    manifest = run_capture(recipe, target, chatml)
+    assert manifest["complete"] and manifest["num_sequences"] == 11
+    head_dir = run_train(recipe, target, chatml)
+    state = json.loads((recipe.run_dir / "train" / "checkpoint" / "state.json").read_text())
+    assert state["step"] == 3 and state["extra"]["mode"] == "offline" and state["extra"]["strategy"] == "single"
+    log = json.loads((recipe.run_dir / "train" / "train_log.json").read_text())
+    assert "tau" in log[-1] and log[-1]["tau"] >= 1.0
+    meta = json.loads((head_dir / "draftsmith.json").read_text())
+    assert meta["training"]["final"]["tau"] == log[-1]["tau"]
