@@ -33,14 +33,14 @@ def make_data(n: int = 16, t: int = 20, seed: int = 0) -> RenderedDataset:
 
 
 def run(out: Path, strategy: str = "auto", num_processes: int | None = None, steps: int = 4, batch_size: int = 4,
-        micro_batch_size: int | None = 2, ckpt_every: int = 0):
+        micro_batch_size: int | None = 2, ckpt_every: int = 0, target_sharding: str = "replicated"):
     """Train the tiny head; returns the ``TrainResult``."""
     target = make_tiny_llama(seed=7)
     data = make_data()
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, VOCAB), 64, always_include=[1])
     cfg = TrainConfig(max_steps=steps, epochs=4, batch_size=batch_size, micro_batch_size=micro_batch_size,
                       lr=3e-3, warmup_steps=2, log_every=1, ckpt_every=ckpt_every, strategy=strategy,
-                      num_processes=num_processes, seed=0)
+                      num_processes=num_processes, seed=0, target_sharding=target_sharding)
     return train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg, out, pad_id=0)
 
 
@@ -68,12 +68,14 @@ def main() -> None:
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--target-sharding", default="replicated")
     parser.add_argument("--snapshot-at", type=int, default=None, help="copy the checkpoint of this step aside")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.snapshot_at:
         keep_checkpoint_at(args.snapshot_at, args.out / f"checkpoint-step{args.snapshot_at}")
-    result = run(args.out, args.strategy, args.num_processes, args.steps, ckpt_every=args.ckpt_every)
+    result = run(args.out, args.strategy, args.num_processes, args.steps, ckpt_every=args.ckpt_every,
+                 target_sharding=args.target_sharding)
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0

@@ -6,7 +6,7 @@ in this process (1 process, 2 gradient-accumulation steps of the same micro-batc
   * the trainer's own launch check passed (strategy and world size as asked),
   * sharded strategies hold half of the trainable state per rank, DDP all of it,
   * the loss, accuracy and grad-norm curves and the final weights equal the single-process run's.
-The FSDP run also leaves its step-2 checkpoint, which a single process resumes (the checkpoint
+The FSDP run shards the target's layers too and leaves its step-2 checkpoint, which a single process resumes (the checkpoint
 format does not depend on the strategy) to the same steps 3-4. Launching
 ``accelerate launch --cpu --num_processes 2`` starts one process: the trainer must refuse it.
 """
@@ -99,8 +99,10 @@ def test_ddp_matches_single_process(tmp_path, reference):
 
 
 def test_fsdp2_matches_single_process_and_its_checkpoint_resumes_anywhere(tmp_path, reference):
-    out = run_strategy("fsdp", tmp_path, "--ckpt-every", "2", "--snapshot-at", "2")
-    check_equivalent("fsdp", out, reference, local_fraction=0.5)
+    """Head and (train.target_sharding=fsdp) target layers sharded over the 2 ranks."""
+    out = run_strategy("fsdp", tmp_path, "--ckpt-every", "2", "--snapshot-at", "2", "--target-sharding", "fsdp")
+    ranks = check_equivalent("fsdp", out, reference, local_fraction=0.5)
+    assert [r["sharding"]["target_layers_local_fraction"] for r in ranks] == [0.5, 0.5]
     state = json.loads((out / "checkpoint-step2" / "state.json").read_text())
     assert state["step"] == 2 and state["extra"]["strategy"] == "fsdp"
     resumed_dir = tmp_path / "resumed"

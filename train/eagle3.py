@@ -83,6 +83,8 @@ class TrainConfig:
     mode: Literal["online", "offline"] = "online"   #: offline: read runs/NAME/capture (``draftsmith capture``)
     strategy: Literal["auto", "single", "ddp", "fsdp", "zero2", "zero3"] = "auto"   #: checked at start
     num_processes: int | None = None         #: expected world size, checked at start; None = not checked
+    target_sharding: Literal["replicated", "fsdp"] = "replicated"   #: fsdp: shard the target's layers too
+    #: (strategy fsdp only; for targets larger than one device, see train.distributed.shard_target_fsdp2)
     trackers: list[str] = field(default_factory=list)   #: wandb | tensorboard (rank 0, via accelerate)
     wandb_project: str | None = None         #: tracker project name; setting it alone turns wandb on
     acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)   #: in-loop τ on held-out data
@@ -191,11 +193,16 @@ class Eagle3Trainer:
         acc = self.accelerator = dist_utils.make_accelerator(cfg.mixed_precision, trackers,
                                                              str(self.out_dir / "logs") if trackers else None)
         self.strategy = dist_utils.check_launch(acc, cfg.strategy, cfg.num_processes)
+        if cfg.target_sharding == "fsdp" and self.strategy != "fsdp":
+            raise ValueError(f"train.target_sharding=fsdp needs strategy fsdp, the run is {self.strategy}")
         self.ckpt = self.out_dir / "checkpoint"
         resume = read_checkpoint(self.ckpt) if (self.ckpt / "state.json").exists() else None
         self.vocab_map = self._resume_vocab_map(vocab_map, resume)
         target.requires_grad_(False)
-        target.to(acc.device)
+        if cfg.target_sharding == "fsdp":
+            dist_utils.shard_target_fsdp2(target, acc.device, acc.num_processes)
+        else:
+            target.to(acc.device)
         head = build_head(target, self.vocab_map, head_cfg)
         if resume is not None:
             restore_params(head, resume.params, f"checkpoint {self.ckpt}")
@@ -210,6 +217,9 @@ class Eagle3Trainer:
         report = dist_utils.sharding_report(self.strategy, acc, self.module, self.optimizer)
         dist_utils.check_sharding(report)
         self.sharding = report.as_dict()
+        if cfg.target_sharding == "fsdp":
+            self.sharding["target_layers_local_fraction"] = round(
+                dist_utils.local_fraction(target.get_decoder().layers), 4)
         acc.print(f"draftsmith train: {self.strategy} on {acc.num_processes} process(es), {self.source.mode} mode, "
                   f"{self.schedule.grad_accum} accumulation step(s) of {micro} sequences per process; rank 0 holds "
                   f"{report.local}/{report.full} trainable elements")
@@ -354,6 +364,11 @@ class Eagle3Trainer:
     def measure_acceptance(self) -> dict:
         """τ and acceptance on the held-out prompts, summed over ranks (collective)."""
         acc, a = self.accelerator, self.cfg.acceptance
+        if self.cfg.target_sharding == "fsdp":      # a sharded target needs the same forwards on every rank
+            with torch.no_grad():
+                stats = measure_acceptance(self.target, self.tokenizer, self.full_head(), self.heldout, a.k,
+                                           a.max_new_tokens)
+            return log_fields(stats)
         with torch.no_grad():
             stats = measure_acceptance(self.target, self.tokenizer, self.full_head(), self.heldout, a.k,
                                        a.max_new_tokens, acc.process_index, acc.num_processes)
