@@ -181,7 +181,7 @@ class Eagle3Trainer:
     """
 
     def __init__(self, target, data, vocab_map: VocabMap, head_cfg: HeadConfig, cfg: TrainConfig, out_dir: Path,
-                 pad_id: int, run_config: dict | None = None, heldout: list[dict] | None = None, tokenizer=None):
+                 pad_id: int | None, run_config: dict | None = None, heldout: list[dict] | None = None, tokenizer=None):
         from accelerate.utils import set_seed
 
         if cfg.threads:
@@ -206,6 +206,7 @@ class Eagle3Trainer:
         head = build_head(target, self.vocab_map, head_cfg)
         if resume is not None:
             restore_params(head, resume.params, f"checkpoint {self.ckpt}")
+        pad_id = 0 if pad_id is None else pad_id      # e.g. Llama-3.1 has no pad token; padding is never read
         self.source = self._source(data, target, pad_id, head.config.aux_layer_ids)
         micro = micro_batch_size(cfg.batch_size, cfg.micro_batch_size, acc.num_processes)
         self.schedule = StepSchedule(len(self.source), cfg.batch_size, micro, acc.num_processes, cfg.seed,
@@ -431,7 +432,7 @@ class Eagle3Trainer:
 
 
 def train_eagle3(target, data, vocab_map: VocabMap, head_cfg: HeadConfig, cfg: TrainConfig, out_dir: Path,
-                 pad_id: int, run_config: dict | None = None, heldout: list[dict] | None = None,
+                 pad_id: int | None, run_config: dict | None = None, heldout: list[dict] | None = None,
                  tokenizer=None) -> TrainResult:
     """Train a head on ``data`` against the frozen ``target``; checkpoints go to ``out_dir/checkpoint``.
 
