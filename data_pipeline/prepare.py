@@ -96,7 +96,8 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
     convs = load_conversations(cfg.source, limit=n, seed=cfg.seed)
     journal = out / "regenerate.partial.jsonl"
     if cfg.regenerate:
-        answerer = make_answerer(cfg.regenerate_engine, target, tokenizer, target_name, revision, cfg.regenerate_url)
+        answerer = make_answerer(cfg.regenerate_engine, target, tokenizer, target_name, revision,
+                                 cfg.regenerate_url)
         convs = regenerate(answerer, convs, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                            batch_size=cfg.batch_size, seed=cfg.seed, journal=journal)
     heldout, train = convs[: cfg.heldout_conversations], convs[cfg.heldout_conversations:]

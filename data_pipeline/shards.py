@@ -204,8 +204,8 @@ def _write_shard(target, tokenizer, conversations, *, index: int, lo: int, hi: i
             for row, (ci, seq_ids, seq_mask) in enumerate(batch):
                 t, j = seq_ids.numel(), b + row
                 if not (torch.isfinite(aux[row, :t]).all() and torch.isfinite(final[row, :t]).all()):
-                    raise ShardError(f"conversation {ci}: the target's hidden states hold NaN/inf in {dtype_name(dtype)} "
-                                     "(overflow? capture in the dtype the target is meant to run in)")
+                    raise ShardError(f"conversation {ci}: the target's hidden states hold NaN/inf in "
+                                     f"{dtype_name(dtype)} (overflow? capture in the dtype the target serves in)")
                 stream.write(f"{j}.input_ids", seq_ids)
                 stream.write(f"{j}.loss_mask", seq_mask)
                 stream.write(f"{j}.aux_hidden", aux[row, :t])                  # [T, 3H], padding cut off
