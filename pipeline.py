@@ -86,7 +86,9 @@ def run_capture(recipe: Recipe, target=None, tokenizer=None) -> dict:
 
 
 def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
-    """Stages 1-3: prepare, train, export; returns the exported head directory."""
+    """Stages 1-3: prepare (and, for ``train.mode: offline`` in one process, capture), train, export.
+
+    Returns the exported head directory."""
     from draftsmith.export.identity import target_identity
     from draftsmith.export.writer import export_eagle3
 
@@ -98,6 +100,9 @@ def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
     data = run_prepare(recipe, target, tokenizer)
     if recipe.train.mode == "offline":
         from draftsmith.data_pipeline.shards import ShardReader
+
+        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            run_capture(recipe, target, tokenizer)     # resumes; finished shards are only verified
 
         train_data = ShardReader(recipe.run_dir / "capture")
         train_data.check_target(target, tokenizer)
