@@ -311,6 +311,11 @@ def _append(path: Path, entries: list[tuple[int, int, Answer]]) -> None:
 # --------------------------------------------------------------------------------------------- regeneration
 
 
+def _prompt_chars(messages: list[dict]) -> int:
+    """Length of a prompt in characters of content (a tokenizer-free proxy for its token count)."""
+    return sum(len(m.get("content") or "") for m in messages)
+
+
 def regenerate(answerer: Answerer, conversations: list[dict], *, max_new_tokens: int = 256,
                temperature: float = 0.0, batch_size: int = 16, seed: int = 0, drop_unfinished: bool = False,
                journal: str | Path | None = None, progress: bool = True) -> list[dict]:
@@ -318,8 +323,9 @@ def regenerate(answerer: Answerer, conversations: list[dict], *, max_new_tokens:
 
     Steps:
       1. key the run (inputs, settings, answerer identity); replay ``journal`` answers made under it;
-      2. for turn t = 0, 1, ...: the conversations with a (t+1)-th assistant turn, in input order, cut
-         into fixed batches of ``batch_size``; each batch not fully in the journal is answered from
+      2. for turn t = 0, 1, ...: the conversations with a (t+1)-th assistant turn, ordered by prompt
+         length (characters; ties by input order) so that left padding wastes little, cut into fixed
+         batches of ``batch_size``; each batch not fully in the journal is answered from
          the conversation so far (earlier turns regenerated) and appended to the journal;
       3. conversations with an empty answer are dropped, and those with an answer that hit
          ``max_new_tokens`` too when ``drop_unfinished`` (else kept, ``provenance.unfinished``).
@@ -329,14 +335,16 @@ def regenerate(answerer: Answerer, conversations: list[dict], *, max_new_tokens:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
     convs = [{**c, "messages": [dict(m) for m in c["messages"]]} for c in conversations]
     settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "batch_size": batch_size,
-                "seed": seed}
+                "seed": seed, "batch_order": "prompt_length"}
     identity = answerer.identity()
     path = Path(journal) if journal is not None else None
     done = _read_journal(path, _journal_key(conversations, identity, settings)) if path else {}
 
     slots = [[j for j, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in convs]
     max_turns = max(map(len, slots), default=0)
-    turns = [[ci for ci in range(len(convs)) if turn < len(slots[ci])] for turn in range(max_turns)]
+    turns = [sorted((ci for ci in range(len(convs)) if turn < len(slots[ci])),      # similar lengths batched
+                    key=lambda ci: (_prompt_chars(convs[ci]["messages"][: slots[ci][turn]]), ci))
+             for turn in range(max_turns)]
     batches = [(turn, todo[b:b + batch_size]) for turn, todo in enumerate(turns)
                for b in range(0, len(todo), batch_size)]
     unfinished: set[int] = set()
