@@ -62,19 +62,22 @@ def keep_checkpoint_at(step: int, dest: Path) -> None:
 
 
 def main() -> None:
+    """Command line of the module docstring."""
     parser = argparse.ArgumentParser()
     parser.add_argument("out", type=Path)
     parser.add_argument("--strategy", default="auto")
     parser.add_argument("--num-processes", type=int, default=None)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--ckpt-every", type=int, default=0)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--target-sharding", default="replicated")
     parser.add_argument("--snapshot-at", type=int, default=None, help="copy the checkpoint of this step aside")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.snapshot_at:
         keep_checkpoint_at(args.snapshot_at, args.out / f"checkpoint-step{args.snapshot_at}")
-    result = run(args.out, args.strategy, args.num_processes, args.steps, ckpt_every=args.ckpt_every,
+    result = run(args.out, args.strategy, args.num_processes, args.steps, micro_batch_size=args.micro_batch_size,
+                 ckpt_every=args.ckpt_every,
                  target_sharding=args.target_sharding)
     import torch.distributed as dist
 

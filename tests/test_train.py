@@ -99,6 +99,17 @@ def test_resume_refuses_an_old_checkpoint_without_its_vocab_map(tiny_llama, tmp_
                      TrainConfig(max_steps=4, batch_size=4), tmp_path, pad_id=0)
 
 
+def test_resume_refuses_another_data_schedule(tiny_llama, tmp_path):
+    """The step number is the data position only under the same batch sizes, seed and data."""
+    target = tiny_llama(seed=7)
+    data = make_data()
+    run(target, data, tmp_path, max_steps=2)
+    vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 64, always_include=[1])
+    with pytest.raises(ValueError, match="data schedule"):
+        train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]),
+                     TrainConfig(max_steps=4, batch_size=4, micro_batch_size=2), tmp_path, pad_id=0)
+
+
 def test_length_grouped_batches_cover_the_epoch_once_with_less_padding():
     from draftsmith.train.eagle3 import batches_for_epoch
 

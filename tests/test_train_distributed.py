@@ -2,12 +2,13 @@
 
 Each test launches ``tests/distributed_job.py`` with ``accelerate launch`` and the shipped config
 file of its strategy (recipes/accelerate/), 2 processes over gloo, and compares with the same job run
-in this process (1 process, 2 gradient-accumulation steps of the same micro-batches):
+in this process. Micro-batches of 1 sequence, 4 per step: 1 process accumulates 4, each of the 2 ranks
+accumulates 2 (so accumulation runs inside every strategy too). Checked:
   * the trainer's own launch check passed (strategy and world size as asked),
   * sharded strategies hold half of the trainable state per rank, DDP all of it,
   * the loss, accuracy and grad-norm curves and the final weights equal the single-process run's.
-The FSDP run shards the target's layers too and leaves its step-2 checkpoint, which a single process resumes (the checkpoint
-format does not depend on the strategy) to the same steps 3-4. Launching
+The FSDP run shards the target's layers too and leaves its step-2 checkpoint, which a single process
+resumes (the checkpoint format does not depend on the strategy) to the same steps 3-4. Launching
 ``accelerate launch --cpu --num_processes 2`` starts one process: the trainer must refuse it.
 """
 from __future__ import annotations
@@ -41,9 +42,9 @@ def _job_module():
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The job on this one process: 2 accumulation steps of the micro-batches 2 ranks would read."""
+    """The job on this one process: 4 accumulation steps of the micro-batches 2 ranks read 2 by 2."""
     out = tmp_path_factory.mktemp("single")
-    result = _job_module().run(out, "single", 1, STEPS)
+    result = _job_module().run(out, "single", 1, STEPS, micro_batch_size=1)
     checksum = {n: float(p.detach().double().sum()) for n, p in result.head.named_parameters()}
     return {"log": result.log, "checksum": checksum}
 
@@ -87,10 +88,11 @@ def check_equivalent(strategy: str, out: Path, reference: dict, local_fraction: 
 
 def run_strategy(strategy: str, tmp_path: Path, *extra: str, use_cpu_env: bool = True) -> Path:
     out = tmp_path / strategy
-    proc = launch(strategy, out, "--strategy", strategy, "--num-processes", "2", "--steps", str(STEPS), *extra,
-                  use_cpu_env=use_cpu_env)
+    proc = launch(strategy, out, "--strategy", strategy, "--num-processes", "2", "--steps", str(STEPS),
+                  "--micro-batch-size", "1", *extra, use_cpu_env=use_cpu_env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert f"draftsmith train: {strategy} on 2 process(es)" in proc.stdout + proc.stderr
+    started = f"draftsmith train: {strategy} on 2 process(es), online mode, 2 accumulation step(s)"
+    assert started in proc.stdout + proc.stderr
     return out
 
 
@@ -108,7 +110,7 @@ def test_fsdp2_matches_single_process_and_its_checkpoint_resumes_anywhere(tmp_pa
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copytree(out / "checkpoint-step2", resumed_dir / "checkpoint")
-    resumed = _job_module().run(resumed_dir, "single", 1, STEPS)           # FSDP checkpoint, one process
+    resumed = _job_module().run(resumed_dir, "single", 1, STEPS, micro_batch_size=1)   # FSDP checkpoint, 1 process
     for a, b in zip(resumed.log[2:], reference["log"][2:]):
         assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 

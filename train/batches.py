@@ -104,6 +104,7 @@ class OfflineSource:
         return self.reader.lengths()
 
     def batch(self, indices: list[int], device) -> TrainBatch:
+        """The stored sequences ``indices``, zero-padded, logits = lm_head(final hidden), on ``device``."""
         seqs = [self.reader[i] for i in indices]
         ids, attn, mask = pad_batch([s.input_ids for s in seqs], [s.loss_mask for s in seqs], self.pad_id)
         t = ids.shape[1]

@@ -127,6 +127,7 @@ class CheckpointData:
 
     @property
     def step(self) -> int:
+        """Optimiser steps done when the checkpoint was written (the data position)."""
         return int(self.state["step"])
 
 

@@ -190,9 +190,11 @@ class ShardingReport:
 
     @property
     def fraction(self) -> float:
+        """local / full (about 1 / world_size when sharded, 1 when replicated)."""
         return self.local / max(1, self.full)
 
     def as_dict(self) -> dict:
+        """JSON-ready view (logged and returned in ``TrainResult.sharding``)."""
         return {"strategy": self.strategy, "world_size": self.world_size, "rank": self.rank,
                 "local_elements": self.local, "full_elements": self.full, "local_fraction": round(self.fraction, 4)}
 

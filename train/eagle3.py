@@ -12,7 +12,7 @@ Steps of one optimiser step (``Eagle3Trainer.train_step``):
      gradients averaged over micro-batches (accumulation) and ranks (DDP / FSDP2 / DeepSpeed);
   4. grad clip, AdamW step, warmup + cosine schedule;
   5. bookkeeping outside the step (``Eagle3Trainer.run``): log (loss, per-step accuracy, lr, grad norm,
-     tokens/s) to tqdm, train_log.json and the trackers (wandb, tensorboard) on rank 0; every
+     tokens/s of real tokens over all ranks during training steps) to tqdm, train_log.json and the trackers (wandb, tensorboard) on rank 0; every
      ``acceptance.every`` steps τ on the held-out split (``train.acceptance``); checkpoints.
 Data order is a function of (seed, epoch), so a checkpoint's step number is its data position.
 """
@@ -137,6 +137,7 @@ class TTTObjective(torch.nn.Module):
         self.head, self.step_decay, self.prompt_loss_weight = head, step_decay, prompt_loss_weight
 
     def forward(self, aux_hidden, input_ids, target_logits, loss_mask, attention_mask):
+        """``ttt_loss`` of one micro-batch (shapes in the class docstring); stats rows: loss, acc, count."""
         out = ttt_loss(self.head, aux_hidden, input_ids, target_logits, loss_mask, step_decay=self.step_decay,
                        attention_mask=attention_mask, prompt_loss_weight=self.prompt_loss_weight)
         stats = torch.tensor([out.step_loss, out.step_acc, out.step_count], dtype=torch.float64)
@@ -193,6 +194,9 @@ class Eagle3Trainer:
         acc = self.accelerator = dist_utils.make_accelerator(cfg.mixed_precision, trackers,
                                                              str(self.out_dir / "logs") if trackers else None)
         self.strategy = dist_utils.check_launch(acc, cfg.strategy, cfg.num_processes)
+        if self.strategy == "fsdp" and cfg.mixed_precision == "fp16":
+            raise ValueError("strategy fsdp trains in fp32 or bf16 (train.mixed_precision no | bf16): its optimizer "
+                             "step does not unscale fp16 gradients")
         if cfg.target_sharding == "fsdp" and self.strategy != "fsdp":
             raise ValueError(f"train.target_sharding=fsdp needs strategy fsdp, the run is {self.strategy}")
         self.ckpt = self.out_dir / "checkpoint"
@@ -212,6 +216,7 @@ class Eagle3Trainer:
         self.schedule = StepSchedule(len(self.source), cfg.batch_size, micro, acc.num_processes, cfg.seed,
                                      self.source.lengths() if cfg.group_by_length else None)
         acc.gradient_accumulation_steps = self.schedule.grad_accum
+        self._check_resumed_schedule(resume)
         self.total = self.schedule.total_steps(cfg.epochs, cfg.max_steps)
         self.raw = TTTObjective(head, head_cfg.step_decay, head_cfg.prompt_loss_weight)
         self._wrap(micro, resume)
@@ -250,6 +255,18 @@ class Eagle3Trainer:
             logger.warning("resuming %s: the data's draft vocabulary differs from the checkpoint's; keeping the "
                            "checkpoint's (the head was trained on it)", self.ckpt)
         return saved
+
+    def schedule_key(self) -> dict:
+        """What the data order depends on (not the world size: any number of processes reads the same data)."""
+        return {"sequences": len(self.source), "batch_size": self.cfg.batch_size, "micro_batches": self.schedule.parts,
+                "seed": self.cfg.seed, "group_by_length": self.cfg.group_by_length}
+
+    def _check_resumed_schedule(self, resume) -> None:
+        saved = resume.state["extra"].get("schedule") if resume is not None else None
+        if saved is not None and saved != self.schedule_key():
+            raise ValueError(f"{self.ckpt} was written with the data schedule {saved}, this run has "
+                             f"{self.schedule_key()}: step {resume.step} would point at other data; keep the "
+                             "batch sizes, seed and data of the run (the number of processes may change)")
 
     def _source(self, data, target, pad_id: int, aux_layer_ids):
         from draftsmith.data_pipeline.shards import ShardReader
@@ -358,7 +375,8 @@ class Eagle3Trainer:
         if self.strategy not in ("fsdp", "zero3"):
             return head
         params = dist_utils.full_head_params(self.strategy, self.module, self.raw)
-        copy = build_head(self.target, self.vocab_map, replace(self.head_cfg, init_from_target=False))
+        with torch.random.fork_rng(devices=[]):        # the copy's throwaway init must not move the RNG
+            copy = build_head(self.target, self.vocab_map, replace(self.head_cfg, init_from_target=False))
         restore_params(copy, params, "gathered head")
         return copy.to(self.accelerator.device)
 
@@ -389,7 +407,8 @@ class Eagle3Trainer:
             acc.wait_for_everyone()
         if acc.is_main_process:
             extra = {"log": self.log, "d2t_sha256": self.vocab_map.sha256(), "config": self.run_config,
-                     "strategy": strategy, "world_size": acc.num_processes, "mode": self.source.mode}
+                     "strategy": strategy, "world_size": acc.num_processes, "mode": self.source.mode,
+                     "schedule": self.schedule_key()}
             write_checkpoint(staging, params, optim, self.base_optimizer.param_groups, self.scheduler.state_dict(),
                              self.step, extra, self.vocab_map)
             commit_checkpoint(self.ckpt)
@@ -399,10 +418,12 @@ class Eagle3Trainer:
         """Train from the current step to the end; returns the full head and the log."""
         acc, cfg = self.accelerator, self.cfg
         bar = tqdm(total=self.total, initial=self.step, desc="train eagle3", disable=not acc.is_main_process)
-        t0 = last_time = time.time()
-        tokens = 0
+        t0 = time.time()
+        tokens, busy = 0, 0.0                   # since the last log entry: tokens trained, seconds in train_step
         while self.step < self.total:
+            started = time.time()
             figures = self.train_step()
+            busy += time.time() - started
             tokens += figures["tokens"]
             bar.update(1)
             bar.set_postfix(loss=f"{figures['loss']:.3f}", acc0=f"{figures['acc_0']:.2f}")
@@ -410,11 +431,10 @@ class Eagle3Trainer:
             if measured:
                 figures.update(self.measure_acceptance())
             if self.step % cfg.log_every == 0 or self.step == self.total or measured:
-                now = time.time()
                 entry = {"step": self.step, "epoch": (self.step - 1) // self.schedule.steps_per_epoch,
-                         "tokens_per_s": tokens / max(now - last_time, 1e-9),
+                         "tokens_per_s": tokens / max(busy, 1e-9),
                          **{k: v for k, v in figures.items() if k != "tokens"}}
-                tokens, last_time = 0, now
+                tokens, busy = 0, 0.0
                 self.log.append(entry)
                 acc.log(entry, step=self.step)
                 if measured:
