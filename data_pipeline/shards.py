@@ -364,7 +364,8 @@ class ShardReader:
         self._starts = [0]
         for entry in self.shards:
             self._starts.append(self._starts[-1] + entry["sequences"])
-        self._verified: set[int] = set()
+        self._verified: set[int] = set()              # shards whose sha256 was checked
+        self._headers_checked: set[int] = set()       # shards whose header was checked against the manifest
         self._open_shard: tuple[int, object] | None = None
 
     @property
@@ -394,7 +395,9 @@ class ShardReader:
                                  "same inputs to recapture it")
             self._verified.add(k)
         handle = safe_open(str(path), framework="pt")
-        self._check_header(handle, entry)
+        if k not in self._headers_checked:
+            self._check_header(handle, entry)
+            self._headers_checked.add(k)
         self._open_shard = (k, handle)
         return handle
 
