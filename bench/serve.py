@@ -349,7 +349,8 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict | None:
                 "prompt_lookup_max": cfg.prompt_lookup_max}
     if method == "eagle3":
         if not cfg.head or not Path(cfg.head).is_dir():
-            raise FileNotFoundError(f"method eagle3 needs an exported head directory (--head), got {cfg.head!r}")
+            raise FileNotFoundError(f"method eagle3 needs an exported head directory (--head), got {cfg.head!r}; "
+                                    f"train one (draftsmith train) or leave eagle3 out of --methods")
         return {"method": "eagle3", "model": cfg.head, "num_speculative_tokens": cfg.k}
     if method == "draft_model":
         return {"method": "draft_model", "model": cfg.draft_model, "num_speculative_tokens": cfg.k}
