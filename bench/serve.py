@@ -160,10 +160,13 @@ def summarize(batches: Sequence[BatchResult], reference_texts: Sequence[str] | N
 
 
 def verdict(speedup: float | None) -> str:
-    """'1.23x: worth enabling' / '0.87x: not worth enabling' (below 1.0) / 'n/a' without a baseline."""
+    """'1.23x: worth enabling' / '0.87x: not worth enabling' (below 1.0) / 'n/a' without a baseline.
+
+    Two decimals, three when two would round a value across 1.0 (0.998 -> '0.998x', not '1.00x')."""
     if speedup is None:
         return "n/a"
-    return f"{speedup:.2f}x: " + ("worth enabling" if speedup >= 1.0 else "not worth enabling")
+    digits = 3 if round(speedup, 2) == 1.0 and speedup != 1.0 else 2
+    return f"{speedup:.{digits}f}x: " + ("worth enabling" if speedup >= 1.0 else "not worth enabling")
 
 
 def add_verdicts(rows: dict[str, dict], baseline: str = BASELINE, prefix: str = "") -> None:

@@ -47,6 +47,7 @@ def test_verdicts_pair_rounds_and_say_not_worth_enabling():
     assert rows["fast"]["speedup"] == 2.0 and rows["fast"]["verdict"] == "2.00x: worth enabling"
     assert rows["slow"]["speedup"] == 0.5 and rows["slow"]["verdict"] == "0.50x: not worth enabling"
     assert verdict(0.999).endswith("not worth enabling") and verdict(1.0).endswith(": worth enabling")
+    assert verdict(0.998) == "0.998x: not worth enabling" and verdict(1.004) == "1.004x: worth enabling"
     assert verdict(None) == "n/a"
     lonely = {"ngram": summarize([_batch(1.0, [3])])}
     add_verdicts(lonely)
