@@ -86,6 +86,22 @@ def _referee_lines(referee: dict) -> list[str]:
     return lines + [""]
 
 
+def refresh_verified_section(head_dir: str | Path) -> Path | None:
+    """Rewrite only the card's "Verified with" section from draftsmith.json ``referee`` (after a referee
+    run), keeping the rest of the card as written; returns the card's path, None when there is no card."""
+    head_dir = Path(head_dir)
+    path = head_dir / "README.md"
+    if not path.is_file():
+        return None
+    text = path.read_text()
+    start = text.find("## Verified with")
+    body = (text[:start] if start >= 0 else text).rstrip("\n") + "\n\n"
+    tmp = path.with_name("README.md.tmp")
+    tmp.write_text(body + "\n".join(_referee_lines(read_metadata(head_dir).referee)))
+    tmp.replace(path)
+    return path
+
+
 def write_model_card(head_dir: str | Path, report: dict | None = None, plot: str | Path | None = None) -> Path:
     """Write ``head_dir/README.md`` (and copy ``plot`` beside it as acceptance.png); returns the card's path.
 

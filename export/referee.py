@@ -387,7 +387,8 @@ def format_table(verdicts: list[Verdict]) -> str:
 
 
 def record_verdicts(head_dir: str | Path, verdicts: list[Verdict], weights: dict | None = None) -> None:
-    """Write the matching verdicts into ``draftsmith.json`` (``referee``, keyed engine/format/k).
+    """Write the matching verdicts into ``draftsmith.json`` (``referee``, keyed engine/format/k) and
+    into the model card's "Verified with" section when the head has a card.
 
     ``weights``: the metadata's {file: sha256} when the run began; when the head was re-exported since,
     nothing is written (the verdicts are about weights that are no longer there)."""
@@ -401,7 +402,10 @@ def record_verdicts(head_dir: str | Path, verdicts: list[Verdict], weights: dict
                        "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
                for v in verdicts if v.match}
     if entries:
+        from draftsmith.export.card import refresh_verified_section
+
         update_metadata(head_dir, referee=entries)
+        refresh_verified_section(head_dir)       # the model card lists the engines the head was verified with
 
 
 def draft_dir(head_dir: str | Path, fmt: str) -> Path:

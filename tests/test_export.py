@@ -435,3 +435,19 @@ def test_cli_export_head_dir_all_formats(setup, tmp_path, capsys):
     assert (tmp_path / "cli" / "speculators" / "config.json").is_file()
     with pytest.raises(SystemExit):
         main(["export", str(out), "--out", str(tmp_path / "bad"), "--format", "tensorrt"])
+
+
+def test_card_verified_section_follows_referee_verdicts(setup):
+    from draftsmith.export.card import refresh_verified_section, write_model_card
+
+    _, _, _, _, out = setup
+    write_model_card(out)
+    assert "## Verified with" not in (out / "README.md").read_text()
+    update_metadata(out, referee={"vllm/speculators/k5": {"engine": "vllm", "version": "0.32.0",
+                                                          "format": "speculators", "k": 5, "prompts": 20,
+                                                          "match": True, "checked_at": "2026-01-01T00:00:00Z"}})
+    refresh_verified_section(out)
+    refresh_verified_section(out)                         # idempotent: the section is replaced, not appended
+    card = (out / "README.md").read_text()
+    assert card.count("## Verified with") == 1 and "| vllm | 0.32.0 | speculators | 5 | 20 | yes |" in card
+    assert card.startswith("---\nlibrary_name: draftsmith") and "## Serve" in card
