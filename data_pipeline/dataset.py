@@ -101,12 +101,47 @@ def _log_skipped(what: str, skipped: list[SkippedRecord], total: int) -> None:
         logger.warning("%s: skipped %d of %d malformed records (first: %s)", what, len(skipped), total, first)
 
 
-def read_conversations(source: str, limit: int | None = None, seed: int = 0,
-                       on_error: str = "raise") -> LoadedConversations:
-    """Conversations from ``source`` (a .jsonl/.json path or ``reference:train``), shuffled with ``seed``,
-    the first ``limit`` kept; malformed records raise DatasetError or are skipped per ``on_error``.
+LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
-    Raises FileNotFoundError for a missing file."""
+
+def _hub_records(source: str, subset: str | None, split: str):
+    """Records of ``datasets.load_dataset(source, subset, split=split)`` (a Hub name, or a local folder of
+    data files) as plain dicts; honours ``HF_DATASETS_OFFLINE``."""
+    import datasets
+
+    try:
+        ds = datasets.load_dataset(source, subset, split=split)
+    except ValueError as e:                          # e.g. an unknown split: say which exist
+        raise DatasetError(f"dataset {source!r} (subset {subset!r}) has no split {split!r}: {e}; set data.split "
+                           "(and data.subset) to one the dataset has") from None
+    return ds
+
+
+def _local_records(path: Path, split: str) -> tuple[list, bool]:
+    """(raw records, whether each is a JSON line still to parse) of a local .jsonl / .json / .parquet file."""
+    if path.suffix == ".parquet":
+        import datasets
+
+        return list(datasets.load_dataset("parquet", data_files={split: str(path)}, split=split)), False
+    text = path.read_text()
+    if path.suffix == ".json":
+        data = json.loads(text)
+        if not isinstance(data, list):
+            raise DatasetError(f"{path}: a .json dataset must hold a list of records; got {type(data).__name__}")
+        return data, False
+    return [l for l in text.splitlines() if l.strip()], True
+
+
+def read_conversations(source: str, limit: int | None = None, seed: int = 0, on_error: str = "raise",
+                       split: str = "train", subset: str | None = None) -> LoadedConversations:
+    """Conversations from ``source``, normalised (``normalise``), shuffled with ``seed``, first ``limit`` kept.
+
+    ``source``: ``reference:train``; a local ``.jsonl`` / ``.json`` (a list) / ``.parquet`` file; or
+    anything else ``datasets.load_dataset`` takes (a Hub name such as ``HuggingFaceH4/ultrachat_200k`` with
+    ``subset`` and ``split``, or a local folder of data files). Malformed records raise DatasetError naming
+    the record's index, or are skipped and counted per ``on_error``.
+
+    Raises FileNotFoundError for a missing local file (a path ending in .jsonl/.json/.parquet)."""
     _check_on_error(on_error)
     skipped: list[SkippedRecord] = []
     if source == "reference:train":
@@ -119,11 +154,13 @@ def read_conversations(source: str, limit: int | None = None, seed: int = 0,
         total = len(records)
     else:
         path = Path(source)
-        if not path.exists():
-            raise FileNotFoundError(f"dataset {source} not found (give a .jsonl/.json file or 'reference:train')")
-        text = path.read_text()
-        jsonl = path.suffix != ".json"
-        raw = [l for l in text.splitlines() if l.strip()] if jsonl else json.loads(text)
+        if path.is_file():
+            raw, jsonl = _local_records(path, split)
+        elif path.suffix in LOCAL_SUFFIXES:
+            raise FileNotFoundError(f"dataset {source} not found (give a .jsonl/.json/.parquet file, a "
+                                    "datasets.load_dataset name, or 'reference:train')")
+        else:
+            raw, jsonl = _hub_records(source, subset, split), False
         records, total = [], len(raw)
         for i, r in enumerate(raw):
             try:
@@ -144,13 +181,14 @@ def read_conversations(source: str, limit: int | None = None, seed: int = 0,
     return LoadedConversations(records[:limit] if limit else records, skipped, total)
 
 
-def load_conversations(source: str, limit: int | None = None, seed: int = 0, on_error: str = "raise") -> list[dict]:
-    """Conversations from ``source`` (a .jsonl/.json path or ``reference:train``), shuffled with ``seed``.
+def load_conversations(source: str, limit: int | None = None, seed: int = 0, on_error: str = "raise",
+                       split: str = "train", subset: str | None = None) -> list[dict]:
+    """Conversations from ``source`` (see :func:`read_conversations`), shuffled with ``seed``.
 
     Raises FileNotFoundError for a missing file, DatasetError for a malformed record (``on_error="raise"``);
     with ``on_error="skip"`` malformed records are logged and left out (:func:`read_conversations`
     returns them too)."""
-    return read_conversations(source, limit, seed, on_error).conversations
+    return read_conversations(source, limit, seed, on_error, split, subset).conversations
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Literal
 from safetensors.torch import load_file, save_file
 
 from draftsmith.config import ConfigError, to_dict
-from draftsmith.data_pipeline.dataset import load_conversations, render_dataset
+from draftsmith.data_pipeline.dataset import read_conversations, render_dataset
 from draftsmith.data_pipeline.regenerate import make_answerer, regenerate
 from draftsmith.heads.vocab import VocabMap, build_vocab_map, count_tokens
 
@@ -33,7 +33,10 @@ from draftsmith.heads.vocab import VocabMap, build_vocab_map, count_tokens
 class DataConfig:
     """Where the head's training conversations come from and how they are turned into tokens."""
 
-    source: str = "reference:train"        #: .jsonl/.json file of conversations, or reference:train
+    source: str = "reference:train"        #: .jsonl/.json/.parquet file, a datasets.load_dataset name, or reference:train
+    split: str = "train"                   #: datasets split (Hub names and local folders)
+    subset: str | None = None              #: datasets config name (Hub names)
+    on_error: Literal["raise", "skip"] = "raise"   #: malformed records: fail naming the record, or skip and count
     num_conversations: int | None = 512    #: after shuffling; None = all
     regenerate: bool = True                #: replace assistant turns by the target's own answers
     max_new_tokens: int = 192              #: per regenerated answer
@@ -76,7 +79,8 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # fields added after folders were first prepared, with the value that reproduces the earlier behaviour
-LATER_FIELDS = {"regenerate_engine": "transformers", "regenerate_url": None}
+LATER_FIELDS = {"regenerate_engine": "transformers", "regenerate_url": None, "split": "train", "subset": None,
+                "on_error": "raise"}
 
 
 def _key_fields(cfg: DataConfig) -> dict:
@@ -93,7 +97,9 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
     if manifest_path.exists() and json.loads(manifest_path.read_text()).get("key") == key:
         return load_prepared(out)
     n = (cfg.num_conversations or 0) + cfg.heldout_conversations if cfg.num_conversations else None
-    convs = load_conversations(cfg.source, limit=n, seed=cfg.seed)
+    loaded = read_conversations(cfg.source, limit=n, seed=cfg.seed, on_error=cfg.on_error, split=cfg.split,
+                                subset=cfg.subset)
+    convs = loaded.conversations
     journal = out / "regenerate.partial.jsonl"
     if cfg.regenerate:
         answerer = make_answerer(cfg.regenerate_engine, target, tokenizer, target_name, revision,
@@ -101,7 +107,9 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
         convs = regenerate(answerer, convs, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                            batch_size=cfg.batch_size, seed=cfg.seed, journal=journal)
     heldout, train = convs[: cfg.heldout_conversations], convs[cfg.heldout_conversations:]
-    rendered = render_dataset(tokenizer, train, cfg.max_length)
+    rendered = render_dataset(tokenizer, train, cfg.max_length, on_error=cfg.on_error)
+    refused = {r.index for r in rendered.skipped}
+    train = [c for i, c in enumerate(train) if i not in refused]     # later stages render what is kept
     vocab_size = len(tokenizer)
     counts = count_tokens(rendered.input_ids, rendered.loss_mask, vocab_size)
     vd = cfg.draft_vocab_size or vocab_size
@@ -120,6 +128,8 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
         "tokens": rendered.num_tokens(), "supervised_tokens": int(counts.sum()),
         "supervised_fraction": rendered.supervised_fraction(), "distinct_supervised_tokens": seen,
         "draft_vocab_size": vmap.draft_vocab_size, "draft_vocab_coverage": covered, "d2t_sha256": vmap.sha256(),
+        "records_read": loaded.total, "skipped_records": len(loaded.skipped) + len(refused),
+        "skipped_examples": [r.reason for r in (loaded.skipped + rendered.skipped)[:5]],
         "unfinished_answers": sum(bool((c.get("provenance") or {}).get("unfinished")) for c in train),
         "files": {p: _sha256(out / p) for p in ("conversations.jsonl", "heldout.jsonl", "vocab_map.safetensors")},
     }

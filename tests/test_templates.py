@@ -333,3 +333,47 @@ def test_render_dataset_skips_what_the_template_refuses(tokenizers, caplog):
         ds = render_dataset(tok, [good, bad], 64, on_error="skip")
     assert len(ds) == 1 and [s.index for s in ds.skipped] == [1] and "must alternate" in ds.skipped[0].reason
     assert "skipped 1 of 2" in caplog.text
+
+
+@pytest.fixture()
+def good_records():
+    return [GOOD, {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+            {"messages": [ASK_FRANCE, {"role": "assistant", "content": PARIS}]}]
+
+
+def test_parquet_and_load_dataset_folders_normalise_alike(good_records, tmp_path, monkeypatch):
+    """A .parquet file and a datasets.load_dataset folder (what a Hub name resolves to) give the .jsonl's
+    conversations; offline, nothing is downloaded."""
+    import datasets
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    jsonl = tmp_path / "data.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in good_records))
+    expected = load_conversations(str(jsonl), seed=3)
+    rows = [{"messages": normalise(r, i)["messages"]} for i, r in enumerate(good_records)]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "data.parquet"))
+    assert load_conversations(str(tmp_path / "data.parquet"), seed=3) == expected
+    folder = tmp_path / "hub_like"
+    folder.mkdir()
+    datasets.Dataset.from_list(rows).to_json(str(folder / "train.jsonl"))
+    assert load_conversations(str(folder), seed=3, split="train") == expected
+    with pytest.raises(DatasetError, match="no split 'test_sft'"):
+        load_conversations(str(folder), split="test_sft")
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_conversations(str(tmp_path / "missing.parquet"))
+
+
+def test_prepare_skips_and_counts_malformed_records(mixed_jsonl, tmp_path):
+    from draftsmith import reference
+    from draftsmith.data_pipeline.prepare import DataConfig, prepare
+
+    target, tok = reference.target()
+    cfg = DataConfig(source=str(mixed_jsonl), num_conversations=None, heldout_conversations=0, regenerate=False,
+                     max_length=64, draft_vocab_size=None)
+    with pytest.raises(DatasetError, match="record 1"):
+        prepare(cfg, target, tok, "reference", tmp_path / "raise")
+    cfg.on_error = "skip"
+    data = prepare(cfg, target, tok, "reference", tmp_path / "skip")
+    assert len(data.conversations) == 2
+    assert data.manifest["records_read"] == 6 and data.manifest["skipped_records"] == 4
+    assert "not valid JSON" in " ".join(data.manifest["skipped_examples"])
