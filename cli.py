@@ -7,7 +7,7 @@
     draftsmith export RUN_DIR|HEAD --out DIR [--format draftsmith|vllm|sglang|speculators|all ...]
     draftsmith check HEAD --target T [--allow-mismatch FIELD ...] [--tensor-parallel-size N]
     draftsmith push HEAD --repo-id ORG/NAME [--private] [--revision BRANCH] [--dry-run]
-    draftsmith eval --head HEAD [--target T] [--methods ...] [--k 5] [--tasks ...] [--allow-mismatch FIELD ...]
+    draftsmith eval --head HEAD [--target T] [--methods ...] [--drafter LABEL=JSON ...] [--k 5] [--tasks ...]
     draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
     draftsmith serve --target T [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
     draftsmith bench --target T [--methods none eagle3 ngram draft_model] [--k 5] [--head HEAD] [--hf-peer]
@@ -92,6 +92,18 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _drafter_arg(item: str) -> tuple[str, dict]:
+    """``LABEL=JSON`` of ``draftsmith eval --drafter`` -> (label, speculative config mapping)."""
+    label, sep, raw = item.partition("=")
+    try:
+        spec = json.loads(raw) if sep else None
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--drafter {item!r}: the part after '=' is not JSON ({e})") from None
+    if not label or not isinstance(spec, dict):
+        raise SystemExit(f"--drafter {item!r} must look like LABEL='{{\"method\": ..., \"model\": ...}}'")
+    return label, spec
+
+
 def cmd_eval(args) -> int:
     from draftsmith.pipeline import run_eval
     from draftsmith.inference.eval import format_table
@@ -101,6 +113,9 @@ def cmd_eval(args) -> int:
     for name in ("methods", "tasks"):
         if getattr(args, name):
             setattr(recipe.eval, name, getattr(args, name))
+    for item in args.drafter:
+        label, spec = _drafter_arg(item)
+        recipe.eval.drafters[label] = spec
     recipe.eval.k = args.k if args.k is not None else recipe.eval.k
     recipe.eval.prompts_per_task = args.prompts_per_task
     recipe.eval.max_new_tokens = args.max_new_tokens or recipe.eval.max_new_tokens
@@ -194,6 +209,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--head", default=None, help="exported head directory (for method eagle3)")
     p.add_argument("--target", default=None)
     p.add_argument("--methods", nargs="+", default=None)
+    p.add_argument("--drafter", action="append", default=[], metavar="LABEL=JSON",
+                   help="an extra row: a labelled speculative config, e.g. "
+                        "'distilled={\"method\": \"draft_model\", \"model\": \"runs/reference-draft-model/head\"}' "
+                        "(repeatable; added to the recipe's eval.drafters)")
     p.add_argument("--tasks", nargs="+", default=None)
     p.add_argument("--k", type=int, default=None)
     p.add_argument("--prompts-per-task", type=int, default=None, help="default: the whole task")

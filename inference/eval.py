@@ -6,6 +6,9 @@ For each task and prompt, plain greedy decoding runs first, then each method on 
   τ                = 1 + accepted / drafts (mean acceptance length, tokens per verify step)
   accepted per position i = drafts whose i-th token was accepted / drafts
   tokens/s, and speedup = plain decode seconds / method seconds (same prompts, same run)
+  draft cost per token = seconds spent inside the proposer (start, propose, accept: every drafter
+      forward, the prefix steps of a head included) / draft tokens proposed, in milliseconds; next to
+      the plain decode's milliseconds per token it says what a drafted token costs
 With temperature 0 every method must reproduce the plain output token for token; a mismatch is
 counted and reported (it would be a bug). Metric definitions follow vLLM's spec-decode metrics.
 """
@@ -21,7 +24,7 @@ from tqdm.auto import tqdm
 from draftsmith.data_pipeline.chat import prompt_ids
 
 from .generate import GenerationConfig, SpecStats, generate_plain, generate_speculative
-from .proposers.base import Proposer
+from .proposers.base import Proposal, Proposer
 from .target import TargetModel
 
 
@@ -37,6 +40,8 @@ class EvalConfig:
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
     draft_model: str = "reference-draft"    #: for method draft_model
+    drafters: dict[str, dict] = field(default_factory=dict)   #: extra rows: label -> speculative config
+    #: (``{method, model, ...}`` as ``--speculative-config``), e.g. ``distilled: {method: draft_model, model: DIR}``
     threads: int | None = 2                 #: torch CPU threads while timing
 
 
@@ -46,6 +51,7 @@ class MethodResult:
 
     stats: SpecStats
     seconds: float = 0.0
+    draft_seconds: float = 0.0
     new_tokens: int = 0
     mismatches: int = 0
 
@@ -57,7 +63,35 @@ class MethodResult:
                 "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
                 "num_accepted_tokens": s.num_accepted_tokens, "new_tokens": self.new_tokens,
                 "seconds": self.seconds, "tokens_per_s": self.new_tokens / max(self.seconds, 1e-9),
-                "speedup": plain_seconds / max(self.seconds, 1e-9), "greedy_mismatches": self.mismatches}
+                "speedup": plain_seconds / max(self.seconds, 1e-9), "greedy_mismatches": self.mismatches,
+                "draft_seconds": self.draft_seconds,
+                "draft_ms_per_token": 1000 * self.draft_seconds / s.num_draft_tokens if s.num_draft_tokens else None}
+
+
+class TimedProposer(Proposer):
+    """A proposer that adds the wall-clock seconds of every call into it to ``seconds`` (draft cost)."""
+
+    def __init__(self, inner: Proposer):
+        self.inner, self.seconds = inner, 0.0
+        for name in dir(inner):                    # what the drafter needs from the target (needs_aux_hidden, ...)
+            if name.startswith("needs_"):
+                setattr(self, name, getattr(inner, name))
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def start(self, prompt_ids, first_token, target_step) -> None:
+        self._timed(self.inner.start, prompt_ids, first_token, target_step)
+
+    def propose(self, k: int) -> Proposal:
+        return self._timed(self.inner.propose, k)
+
+    def accept(self, n_accepted, emitted, target_step) -> None:
+        self._timed(self.inner.accept, n_accepted, emitted, target_step)
 
 
 def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], proposers: dict[str, Callable[[], Proposer]],
@@ -85,32 +119,39 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], proposers: d
             plain_seconds += time.perf_counter() - t0
             plain_tokens += len(plain.tokens)
             for method, make in proposers.items():
-                proposer = make()
+                proposer = TimedProposer(make())
                 t0 = time.perf_counter()
                 out = generate_speculative(spec_target, proposer, ids, gen, cfg.k)
                 r = results[method]
                 r.seconds += time.perf_counter() - t0
+                r.draft_seconds += proposer.seconds
                 r.new_tokens += len(out.tokens)
                 r.stats = r.stats.merge(out.stats)
                 r.mismatches += int(out.tokens != plain.tokens)
         report["tasks"][task] = {
             "prompts": len(records),
             "plain": {"new_tokens": plain_tokens, "seconds": plain_seconds,
-                      "tokens_per_s": plain_tokens / max(plain_seconds, 1e-9)},
+                      "tokens_per_s": plain_tokens / max(plain_seconds, 1e-9),
+                      "ms_per_token": 1000 * plain_seconds / max(plain_tokens, 1)},
             **{m: r.row(plain_seconds) for m, r in results.items()},
         }
     return report
 
 
 def format_table(report: dict) -> str:
-    """One text table: task x method with τ, acceptance rate, tokens/s and speedup vs plain."""
-    lines = [f"{'task':<15}{'method':<13}{'tau':>7}{'accept':>9}{'tok/s':>9}{'speedup':>9}"]
+    """One text table: task x method with τ, acceptance rate, draft cost (ms per drafted token; the plain
+    row gives the target's ms per decoded token), tokens/s and speedup vs plain."""
+    lines = [f"{'task':<15}{'method':<16}{'tau':>7}{'accept':>9}{'draft ms/tok':>14}{'tok/s':>9}{'speedup':>9}"]
     for task, rows in report["tasks"].items():
-        lines.append(f"{task:<15}{'plain':<13}{'':>7}{'':>9}{rows['plain']['tokens_per_s']:>9.1f}{1.0:>8.2f}x")
+        plain = rows["plain"]
+        ms = plain.get("ms_per_token")
+        lines.append(f"{task:<15}{'plain':<16}{'':>7}{'':>9}{f'({ms:.2f})' if ms is not None else '':>14}"
+                     f"{plain['tokens_per_s']:>9.1f}{1.0:>8.2f}x")
         for method in report["config"]["methods"]:
             r = rows[method]
-            lines.append(f"{'':<15}{method:<13}{r['tau']:>7.2f}{r['acceptance_rate']:>8.1%}"
-                         f"{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x")
+            cost = r.get("draft_ms_per_token")
+            lines.append(f"{'':<15}{method:<16}{r['tau']:>7.2f}{r['acceptance_rate']:>8.1%}"
+                         f"{f'{cost:.2f}' if cost is not None else '-':>14}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x")
     return "\n".join(lines)
 
 
