@@ -6,6 +6,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.draftsmith-installed
+TEST_STAMP := $(VENV)/.draftsmith-test-extras
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
@@ -22,15 +23,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[serve,test]"
 	touch $(STAMP)
 
+# what the tests exercise beyond the demo: experiment trackers, and DeepSpeed for the ZeRO-2/3 strategies
+# (DS_BUILD_OPS=0: no kernels compiled; --no-build-isolation: its setup.py imports the installed torch)
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[serve,test,track]" setuptools wheel
+	DS_BUILD_OPS=0 $(PY) -m pip install -q --no-build-isolation "deepspeed==0.19.8"
+	touch $(TEST_STAMP)
+
 install: $(STAMP)
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/draftsmith demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: $(STAMP)
+test-fast: $(TEST_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 clean-runs:
