@@ -1,8 +1,9 @@
-"""Acceptance length τ of the head while it trains, on held-out conversations.
+"""Acceptance length τ of the drafter while it trains, on held-out conversations.
 
 The definition is the one ``draftsmith eval`` reports, computed by the same code: each prompt is
-decoded greedily by ``inference.generate.generate_speculative`` with an ``Eagle3Proposer`` over the
-current head, and the counters are ``inference.generate.SpecStats`` (τ = 1 + accepted / drafts,
+decoded greedily by ``inference.generate.generate_speculative`` with a fresh proposer over the
+current drafter (``Eagle3Proposer`` for a head, ``DraftModelProposer`` for a draft LM: the trainer's
+``DrafterSpec.proposer``), and the counters are ``inference.generate.SpecStats`` (τ = 1 + accepted / drafts,
 acceptance rate = accepted / drafted tokens, accepted per position). ``inference.eval.evaluate``
 runs exactly these calls per task; here the tasks are the run's held-out split and the plain-decoding
 baseline (speed only) is skipped. Under several processes the prompts are split over the ranks and
@@ -11,12 +12,13 @@ the counters summed.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
 from draftsmith.data_pipeline.chat import prompt_ids
 from draftsmith.inference.generate import GenerationConfig, SpecStats, generate_speculative
-from draftsmith.inference.proposers.eagle3 import Eagle3Proposer
+from draftsmith.inference.proposers.base import Proposer
 from draftsmith.inference.target import TargetModel
 
 
@@ -41,23 +43,22 @@ def heldout_prompts(conversations: list[dict], limit: int) -> list[list[dict]]:
     return prompts
 
 
-def measure_acceptance(target, tokenizer, head, prompts: list[list[dict]], k: int, max_new_tokens: int,
-                       rank: int = 0, world_size: int = 1) -> SpecStats:
-    """Greedy speculative decoding of ``prompts[rank::world_size]`` with ``head``; its ``SpecStats``.
+def measure_acceptance(target, tokenizer, make_proposer: Callable[[], Proposer], prompts: list[list[dict]], k: int,
+                       max_new_tokens: int, rank: int = 0, world_size: int = 1,
+                       aux_layer_ids: Sequence[int] | None = None) -> SpecStats:
+    """Greedy speculative decoding of ``prompts[rank::world_size]``; its ``SpecStats``.
 
-    ``head`` must be a full (unsharded) ``Eagle3Head`` with the target's embedding bound; it is left
-    in train mode. Sum the counters of all ranks for the run's figure (``stats_tensor``)."""
-    was_training = head.training
-    tm = TargetModel(target, tokenizer, aux_layer_ids=head.config.aux_layer_ids)
+    ``make_proposer()`` returns a fresh greedy proposer per prompt (proposers hold per-sequence state);
+    ``aux_layer_ids``: the target hidden states it reads (EAGLE-3: the head's), None for none. The
+    caller restores its drafter's train/eval mode afterwards (proposers put models in eval mode). Sum
+    the counters of all ranks for the run's figure (``stats_tensor``)."""
+    tm = TargetModel(target, tokenizer, aux_layer_ids=aux_layer_ids)
     eos = [i for i in (tokenizer.eos_token_id,) if i is not None]
     gen = GenerationConfig(max_new_tokens=max_new_tokens, eos_token_ids=eos)
     stats = SpecStats(k=k)
-    try:
-        for messages in prompts[rank::world_size]:
-            out = generate_speculative(tm, Eagle3Proposer(head), prompt_ids(tokenizer, messages), gen, k)
-            stats = stats.merge(out.stats)
-    finally:
-        head.train(was_training)
+    for messages in prompts[rank::world_size]:
+        out = generate_speculative(tm, make_proposer(), prompt_ids(tokenizer, messages), gen, k)
+        stats = stats.merge(out.stats)
     return stats
 
 

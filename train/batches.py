@@ -7,6 +7,8 @@ modes (tests/test_train.py checks the losses agree):
            (``data_pipeline.capture.capture``) -> aux states and logits.
   offline  ``OfflineSource``: shards of ``draftsmith capture`` (``data_pipeline.shards.ShardReader``);
            logits are recomputed as lm_head(final hidden state), the target never runs.
+Both fill only the fields the drafter asks for (``fields``, a subset of ``BATCH_FIELDS``): a draft
+model reads logits alone, so the online target then runs without hidden-state output.
 
 Batches are right-padded. Position ids are then 0..len-1 for every real token (the target's default,
 the head's default) and padding only sits after real tokens: causal attention keeps it invisible to
@@ -29,36 +31,82 @@ from dataclasses import dataclass
 
 import torch
 
-from draftsmith.data_pipeline.capture import capture
+from draftsmith.data_pipeline.capture import capture, check_aux_layer_ids
 from draftsmith.data_pipeline.dataset import RenderedDataset, pad_batch
+
+
+#: optional ``TrainBatch`` fields a drafter may ask for (``DrafterSpec.batch_fields``)
+BATCH_FIELDS = ("aux_hidden", "target_logits", "final_hidden")
+DEFAULT_FIELDS = frozenset({"aux_hidden", "target_logits"})     # what EAGLE-3 reads
 
 
 @dataclass
 class TrainBatch:
-    """One right-padded micro-batch: what ``train.ttt.ttt_loss`` reads.
+    """One right-padded micro-batch: what a drafter's objective reads (``train.ttt.ttt_loss``, ...).
 
     input_ids [B, T] int64, attention_mask [B, T] (1 = real token), loss_mask [B, T] bool (assistant
-    tokens), aux_hidden [B, T, 3H], target_logits [B, T, V] (position t predicts token t+1)."""
+    tokens); when asked for: aux_hidden [B, T, 3H], target_logits [B, T, V] (position t predicts
+    token t+1), final_hidden [B, T, H] (the target's last hidden state after its final norm)."""
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
-    aux_hidden: torch.Tensor
-    target_logits: torch.Tensor
+    aux_hidden: torch.Tensor | None = None
+    target_logits: torch.Tensor | None = None
+    final_hidden: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
         """Real (non-padding) tokens."""
         return int(self.attention_mask.sum())
 
+    def inputs(self, fields) -> dict[str, torch.Tensor]:
+        """Keyword arguments of an objective's forward: the three masks/ids plus ``fields``.
+
+        Raises ValueError when a field was asked for but the source did not fill it."""
+        out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask}
+        for name in sorted(fields):
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"the batch holds no {name}; the source was built without it")
+            out[name] = value
+        return out
+
+
+@torch.no_grad()
+def run_target(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_layer_ids, fields) -> dict:
+    """The frozen target on input_ids [B, T]: the ``fields`` asked for, and nothing else computed.
+
+    Hidden-state output is requested only for ``aux_hidden`` / ``final_hidden``; logits-only drafters
+    get a plain forward. The logits are always computed (the causal LM's forward makes them)."""
+    if "aux_hidden" in fields and "final_hidden" not in fields:        # EAGLE-3: the capture module's path
+        cap = capture(target, input_ids, aux_layer_ids, attention_mask=attention_mask)
+        out = {"aux_hidden": cap.aux_hidden, "target_logits": cap.target_logits}
+        return {k: v for k, v in out.items() if k in fields}
+    hidden = "final_hidden" in fields or "aux_hidden" in fields
+    res = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=hidden, use_cache=False)
+    out = {"target_logits": res.logits}                                # [B, T, V]
+    if "aux_hidden" in fields:
+        ids = check_aux_layer_ids(aux_layer_ids, target.config.get_text_config().num_hidden_layers)
+        out["aux_hidden"] = torch.cat([res.hidden_states[i] for i in ids], dim=-1)   # [B, T, 3H]
+    if "final_hidden" in fields:
+        out["final_hidden"] = res.hidden_states[-1]                    # [B, T, H], after the final norm
+    return {k: v for k, v in out.items() if k in fields}
+
 
 class OnlineSource:
-    """Rendered conversations; each batch runs the frozen ``target`` once without grad."""
+    """Rendered conversations; each batch runs the frozen ``target`` once without grad.
+
+    ``aux_layer_ids`` is needed only when ``fields`` holds ``aux_hidden``."""
 
     mode = "online"
 
-    def __init__(self, data: RenderedDataset, target, pad_id: int, aux_layer_ids):
-        self.data, self.target, self.pad_id, self.aux_layer_ids = data, target, pad_id, tuple(aux_layer_ids)
+    def __init__(self, data: RenderedDataset, target, pad_id: int, aux_layer_ids, fields=DEFAULT_FIELDS):
+        self.fields = frozenset(fields)
+        if "aux_hidden" in self.fields and aux_layer_ids is None:
+            raise ValueError("aux_hidden needs aux_layer_ids")
+        self.data, self.target, self.pad_id = data, target, pad_id
+        self.aux_layer_ids = tuple(aux_layer_ids) if aux_layer_ids is not None else None
 
     def __len__(self) -> int:
         return len(self.data)
@@ -72,8 +120,7 @@ class OnlineSource:
         ids, attn, mask = pad_batch([self.data.input_ids[i] for i in indices],
                                     [self.data.loss_mask[i] for i in indices], self.pad_id)
         ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
-        cap = capture(self.target, ids, self.aux_layer_ids, attention_mask=attn)
-        return TrainBatch(ids, attn, mask, cap.aux_hidden, cap.target_logits)
+        return TrainBatch(ids, attn, mask, **run_target(self.target, ids, attn, self.aux_layer_ids, self.fields))
 
 
 def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
@@ -86,14 +133,17 @@ def pad_rows(rows: list[torch.Tensor], length: int) -> torch.Tensor:
 
 class OfflineSource:
     """Sequences of a capture folder (``ShardReader``); the target's ``lm_head`` turns stored final
-    hidden states into logits. Raises ValueError when the shards were captured at other aux layers."""
+    hidden states into logits. Raises ValueError when ``fields`` holds ``aux_hidden`` and the shards
+    were captured at other aux layers (a drafter without aux states reads any capture)."""
 
     mode = "offline"
 
-    def __init__(self, reader, lm_head, pad_id: int, aux_layer_ids):
-        if tuple(reader.aux_layer_ids) != tuple(aux_layer_ids):
+    def __init__(self, reader, lm_head, pad_id: int, aux_layer_ids, fields=DEFAULT_FIELDS):
+        self.fields = frozenset(fields)
+        if "aux_hidden" in self.fields and tuple(reader.aux_layer_ids) != tuple(aux_layer_ids or ()):
             raise ValueError(f"{reader.folder} was captured at aux layers {tuple(reader.aux_layer_ids)}, the head "
-                             f"reads {tuple(aux_layer_ids)}; set head.aux_layer_ids to the capture's or capture again")
+                             f"reads {tuple(aux_layer_ids or ())}; set head.aux_layer_ids to the capture's or "
+                             "capture again")
         self.reader, self.lm_head, self.pad_id = reader, lm_head, pad_id
 
     def __len__(self) -> int:
@@ -108,10 +158,15 @@ class OfflineSource:
         seqs = [self.reader[i] for i in indices]
         ids, attn, mask = pad_batch([s.input_ids for s in seqs], [s.loss_mask for s in seqs], self.pad_id)
         t = ids.shape[1]
-        aux = pad_rows([s.aux_hidden for s in seqs], t).to(device)                  # [B, T, 3H]
-        final = pad_rows([s.final_hidden for s in seqs], t).to(device)              # [B, T, H]
-        logits = type(self.reader).target_logits(self.lm_head, final)               # [B, T, V]
-        return TrainBatch(ids.to(device), attn.to(device), mask.to(device), aux, logits)
+        out = {}
+        if "aux_hidden" in self.fields:
+            out["aux_hidden"] = pad_rows([s.aux_hidden for s in seqs], t).to(device)           # [B, T, 3H]
+        final = pad_rows([s.final_hidden for s in seqs], t).to(device)                         # [B, T, H]
+        if "target_logits" in self.fields:
+            out["target_logits"] = type(self.reader).target_logits(self.lm_head, final)       # [B, T, V]
+        if "final_hidden" in self.fields:
+            out["final_hidden"] = final
+        return TrainBatch(ids.to(device), attn.to(device), mask.to(device), **out)
 
 
 def batches_for_epoch(n: int, batch_size: int, seed: int, epoch: int,

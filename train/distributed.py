@@ -1,4 +1,4 @@
-"""Distribution strategies of the EAGLE-3 trainer under ``accelerate launch``.
+"""Distribution strategies of the drafter trainer (``train.trainer``) under ``accelerate launch``.
 
     ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 \\
         -m draftsmith.cli train RECIPE train.strategy=ddp train.num_processes=2
@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "zero3")
-HEAD_PREFIX = "head."      # the head sits at ``module.head`` inside the TTT objective that gets wrapped
+HEAD_PREFIX = "head."      # the drafter sits at ``module.head`` inside the objective that gets wrapped
 
 
 class LaunchError(RuntimeError):
@@ -131,13 +131,15 @@ def configure_deepspeed(accelerator, micro_batch_size: int, grad_accum: int, gra
 
 
 def apply_fsdp2(module: torch.nn.Module, device: torch.device, world_size: int, mixed_precision: str,
-                reshard_after_forward: bool = True) -> torch.nn.Module:
-    """Shard ``module`` (the TTT objective holding the head) with FSDP2 ``fully_shard`` over all ranks.
+                reshard_after_forward: bool = True, units=None) -> torch.nn.Module:
+    """Shard ``module`` (the objective holding the drafter at ``.head``) with FSDP2 ``fully_shard`` over
+    all ranks.
 
-    The head's decoder layer is its own FSDP unit, the rest (fc, norm, lm_head) belongs to the root
-    unit. With ``mixed_precision`` bf16/fp16 parameters are cast for compute and gradients reduced in
-    fp32 (``MixedPrecisionPolicy``). Returns the same module, now an ``FSDPModule``; build the
-    optimizer afterwards, over the sharded (DTensor) parameters."""
+    Each of ``units`` (``DrafterSpec.fsdp_units``; default, for an EAGLE-3 head: its decoder layer) is
+    its own FSDP unit, the rest (EAGLE-3: fc, norm, lm_head) belongs to the root unit. With
+    ``mixed_precision`` bf16/fp16 parameters are cast for compute and gradients reduced in fp32
+    (``MixedPrecisionPolicy``). Returns the same module, now an ``FSDPModule``; build the optimizer
+    afterwards, over the sharded (DTensor) parameters."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -145,7 +147,8 @@ def apply_fsdp2(module: torch.nn.Module, device: torch.device, world_size: int, 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
                                   cast_forward_inputs=False)
-    fully_shard(module.head.midlayer, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+    for unit in ([module.head.midlayer] if units is None else units):
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return module
 

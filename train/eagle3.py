@@ -1,51 +1,37 @@
-"""EAGLE-3 head training through accelerate: online or offline capture, any strategy, resumable.
+"""EAGLE-3 head training: the head, its TTT objective and in-loop proposer as a ``DrafterSpec``.
 
     draftsmith train recipes/reference/eagle3.yaml                                # one process
     ACCELERATE_USE_CPU=1 accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2 \\
         -m draftsmith.cli train RECIPE train.strategy=ddp train.num_processes=2    # see train.distributed
 
-Steps of one optimiser step (``Eagle3Trainer.train_step``):
-  1. this rank's micro-batches of the step's global batch (``train.batches.StepSchedule``);
-  2. per micro-batch: right-padded sequences with the target's aux states [B, T, 3H] and logits
-     [B, T, V], from the frozen target (online) or from capture shards (offline) (``train.batches``);
-  3. training-time-test unroll of the head (``train.ttt``) -> loss, per-step accuracy; backward,
-     gradients averaged over micro-batches (accumulation) and ranks (DDP / FSDP2 / DeepSpeed);
-  4. grad clip, AdamW step, warmup + cosine schedule;
-  5. bookkeeping outside the step (``Eagle3Trainer.run``): log (loss, per-step accuracy, lr, grad norm,
-     tokens/s of real tokens over all ranks during training steps) to tqdm, train_log.json and the trackers (wandb, tensorboard) on rank 0; every
-     ``acceptance.every`` steps τ on the held-out split (``train.acceptance``); checkpoints.
-Data order is a function of (seed, epoch), so a checkpoint's step number is its data position.
+The loop, strategies, accumulation, checkpoints and in-loop τ are ``train.trainer.DrafterTrainer``'s;
+this module says what is EAGLE-3 about a run (:class:`Eagle3Spec`):
+  * the drafter: an ``Eagle3Head`` sized for the target with the draft vocab map installed and the
+    target's embedding bound, warm-started from the target's lm_head / norm (``build_head``);
+  * the batch: aux states [B, T, 3H] and logits [B, T, V] of the frozen target;
+  * the objective: the training-time-test unroll (``train.ttt``), per-step loss and accuracy over
+    ``ttt_steps`` steps (:class:`TTTObjective`);
+  * in-loop τ with ``Eagle3Proposer`` over the head, the target exposing the head's aux layers;
+  * the vocab map is kept with every checkpoint and wins on resume (the weights were trained on it).
 """
 from __future__ import annotations
 
-import contextlib
-import importlib.util
-import json
 import logging
-import math
-import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
 
 import torch
-from tqdm.auto import tqdm
 
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
 from draftsmith.heads.vocab import VocabMap
-from draftsmith.train import distributed as dist_utils
-from draftsmith.train.acceptance import (AcceptanceConfig, heldout_prompts, log_fields, measure_acceptance,
-                                         stats_from_tensor, stats_tensor)
-from draftsmith.train.batches import (OfflineSource, OnlineSource, StepSchedule, TrainBatch, batches_for_epoch,
-                                      micro_batch_size)
-from draftsmith.train.checkpoint import (begin_checkpoint, checkpoint_vocab_map, commit_checkpoint, read_checkpoint,
-                                         restore_params, restore_rng, write_checkpoint)
+from draftsmith.train.batches import batches_for_epoch
+from draftsmith.train.checkpoint import checkpoint_vocab_map, commit_checkpoint
+from draftsmith.train.trainer import TRACKERS, DrafterSpec, DrafterTrainer, TrainConfig, TrainResult, lr_lambda
 from draftsmith.train.ttt import ttt_loss
 
-__all__ = ["HeadConfig", "TrainConfig", "TrainResult", "Eagle3Trainer", "TTTObjective", "train_eagle3",
-           "build_head", "lr_lambda", "batches_for_epoch"]
+__all__ = ["HeadConfig", "TrainConfig", "TrainResult", "Eagle3Spec", "Eagle3Trainer", "TTTObjective",
+           "train_eagle3", "build_head", "lr_lambda", "batches_for_epoch", "TRACKERS"]
 logger = logging.getLogger(__name__)
-TRACKERS = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX")}
 
 
 @dataclass
@@ -59,49 +45,6 @@ class HeadConfig:
     init_from_target: bool = True            #: start lm_head/norm from the target's (warm start)
 
 
-@dataclass
-class TrainConfig:
-    """Optimisation, data mode, distribution and logging. EAGLE-3 paper defaults: AdamW(0.9, 0.95),
-    grad clip 0.5, lr 5e-5 for 8B targets."""
-
-    epochs: int = 2
-    max_steps: int | None = None             #: stop after this many optimiser steps
-    batch_size: int = 8                      #: sequences per optimiser step, over all processes
-    micro_batch_size: int | None = None      #: sequences per forward per process; None = batch_size / processes.
-    #: gradient accumulation steps = batch_size / (micro_batch_size x processes)
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
-    seed: int = 0
-    threads: int | None = None               #: torch CPU threads; None = leave torch's default
-    ckpt_every: int = 0                      #: optimiser steps between checkpoints; 0 = only at the end
-    log_every: int = 10
-    mixed_precision: str = "no"              #: accelerate mixed precision for the head: no | bf16 | fp16
-    group_by_length: bool = False            #: batches of similar lengths (less padding; see batches_for_epoch)
-    mode: Literal["online", "offline"] = "online"   #: offline: read runs/NAME/capture (``draftsmith capture``)
-    strategy: Literal["auto", "single", "ddp", "fsdp", "zero2", "zero3"] = "auto"   #: checked at start
-    num_processes: int | None = None         #: expected world size, checked at start; None = not checked
-    target_sharding: Literal["replicated", "fsdp"] = "replicated"   #: fsdp: shard the target's layers too
-    #: (strategy fsdp only; for targets larger than one device, see train.distributed.shard_target_fsdp2)
-    trackers: list[str] = field(default_factory=list)   #: wandb | tensorboard (rank 0, via accelerate)
-    wandb_project: str | None = None         #: tracker project name; setting it alone turns wandb on
-    acceptance: AcceptanceConfig = field(default_factory=AcceptanceConfig)   #: in-loop τ on held-out data
-
-
-@dataclass
-class TrainResult:
-    """What a finished run produced; ``head`` is full (unsharded) on every rank."""
-
-    head: Eagle3Head
-    steps: int
-    log: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-    is_main_process: bool = True
-    sharding: dict = field(default_factory=dict)
-
-
 def build_head(target, vocab_map: VocabMap, cfg: HeadConfig) -> Eagle3Head:
     """An EAGLE-3 head sized for ``target`` with ``vocab_map`` installed and the target's embedding bound."""
     config = Eagle3Config.from_target(target.config, draft_vocab_size=vocab_map.draft_vocab_size,
@@ -113,16 +56,6 @@ def build_head(target, vocab_map: VocabMap, cfg: HeadConfig) -> Eagle3Head:
     if cfg.init_from_target:
         head.init_from_target(target)
     return head
-
-
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    """Linear warmup then cosine to ``min_lr_ratio`` (multiplier of cfg.lr)."""
-    def f(step: int) -> float:
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
-    return f
 
 
 class TTTObjective(torch.nn.Module):
@@ -144,30 +77,70 @@ class TTTObjective(torch.nn.Module):
         return out.loss, stats
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    """Nested config -> {dotted key: scalar or str} (what tensorboard hparams accept)."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v if isinstance(v, (int, float, str, bool)) else str(v)
-    return out
+class Eagle3Spec(DrafterSpec):
+    """The EAGLE-3 drafter for ``DrafterTrainer`` (what each hook does: module docstring).
+
+    Args:
+        head_cfg: the head's shape choices and loss weights.
+        vocab_map: the draft vocabulary; on resume the checkpoint's map replaces it (warning if it differs).
+    """
+
+    name = "eagle3"
+    batch_fields = frozenset({"aux_hidden", "target_logits"})
+
+    def __init__(self, head_cfg: HeadConfig, vocab_map: VocabMap):
+        self.head_cfg, self.vocab_map = head_cfg, vocab_map
+
+    @property
+    def num_steps(self) -> int:
+        """The TTT unroll depth (one accuracy per step)."""
+        return self.head_cfg.ttt_steps
+
+    def build(self, target, fresh: bool = False) -> Eagle3Head:
+        """``build_head`` with the run's vocab map; ``fresh`` skips the warm start from the target."""
+        cfg = replace(self.head_cfg, init_from_target=False) if fresh else self.head_cfg
+        return build_head(target, self.vocab_map, cfg)
+
+    def objective(self, drafter: Eagle3Head) -> TTTObjective:
+        """The head and its TTT loss (:class:`TTTObjective`)."""
+        return TTTObjective(drafter, self.head_cfg.step_decay, self.head_cfg.prompt_loss_weight)
+
+    def proposer(self, drafter: Eagle3Head, target_vocab_size: int):
+        """A greedy ``Eagle3Proposer`` over the head."""
+        from draftsmith.inference.proposers.eagle3 import Eagle3Proposer
+
+        return Eagle3Proposer(drafter)
+
+    def aux_layer_ids(self, drafter: Eagle3Head) -> tuple[int, ...]:
+        """The head's three aux layers (HF hidden_states index)."""
+        return tuple(drafter.config.aux_layer_ids)
+
+    def fsdp_units(self, drafter: Eagle3Head) -> list[torch.nn.Module]:
+        """The decoder layer is its own FSDP2 unit; fc, norm and lm_head join the root."""
+        return [drafter.midlayer]
+
+    def restore(self, ckpt_dir: Path, resume) -> None:
+        """The checkpoint's vocab map wins on resume: the weights were trained on it.
+
+        Raises ValueError for a checkpoint that holds no map and was trained on another one."""
+        saved = checkpoint_vocab_map(ckpt_dir)
+        if saved is None:                         # checkpoint written before maps were saved: only the hash is known
+            if resume.state["extra"].get("d2t_sha256") != self.vocab_map.sha256():
+                raise ValueError(f"{ckpt_dir} was trained with another vocab map and does not hold it; keep the "
+                                 "run's prepared data or start anew")
+            return
+        if saved.sha256() != self.vocab_map.sha256():
+            logger.warning("resuming %s: the data's draft vocabulary differs from the checkpoint's; keeping the "
+                           "checkpoint's (the head was trained on it)", ckpt_dir)
+        self.vocab_map = saved
+
+    def checkpoint_extra(self) -> dict:
+        """The vocab map's hash (the map itself goes to vocab_map.safetensors)."""
+        return {"d2t_sha256": self.vocab_map.sha256()}
 
 
-def _trackers(cfg: TrainConfig) -> list[str]:
-    names = list(dict.fromkeys(cfg.trackers + (["wandb"] if cfg.wandb_project else [])))
-    for name in names:
-        if name not in TRACKERS:
-            raise ValueError(f"unknown tracker {name!r} in train.trackers; known: {', '.join(TRACKERS)}")
-        if not any(importlib.util.find_spec(m) for m in TRACKERS[name]):
-            raise ImportError(f"train.trackers asks for {name} but it is not installed: pip install {TRACKERS[name][0]}")
-    return names
-
-
-class Eagle3Trainer:
-    """One training run. ``__init__`` sets everything up (launch check, head, wrapping, resume);
-    :meth:`train_step` is one optimiser step; :meth:`run` trains to the end and returns the result.
+class Eagle3Trainer(DrafterTrainer):
+    """One EAGLE-3 training run: ``DrafterTrainer`` with an :class:`Eagle3Spec`.
 
     Args:
         target: the frozen HF causal LM (online: it runs every step; offline: only its embedding,
@@ -183,272 +156,21 @@ class Eagle3Trainer:
 
     def __init__(self, target, data, vocab_map: VocabMap, head_cfg: HeadConfig, cfg: TrainConfig, out_dir: Path,
                  pad_id: int | None, run_config: dict | None = None, heldout: list[dict] | None = None, tokenizer=None):
-        from accelerate.utils import set_seed
+        self.head_cfg = head_cfg
+        super().__init__(Eagle3Spec(head_cfg, vocab_map), target, data, cfg, out_dir, pad_id, run_config, heldout,
+                         tokenizer)
 
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
-        set_seed(cfg.seed)
-        self.cfg, self.head_cfg, self.out_dir = cfg, head_cfg, Path(out_dir)
-        self.target, self.tokenizer, self.run_config = target, tokenizer, run_config or {}
-        trackers = _trackers(cfg)
-        acc = self.accelerator = dist_utils.make_accelerator(cfg.mixed_precision, trackers,
-                                                             str(self.out_dir / "logs") if trackers else None)
-        self.strategy = dist_utils.check_launch(acc, cfg.strategy, cfg.num_processes)
-        if self.strategy == "fsdp" and cfg.mixed_precision == "fp16":
-            raise ValueError("strategy fsdp trains in fp32 or bf16 (train.mixed_precision no | bf16): its optimizer "
-                             "step does not unscale fp16 gradients")
-        if cfg.target_sharding == "fsdp" and self.strategy != "fsdp":
-            raise ValueError(f"train.target_sharding=fsdp needs strategy fsdp, the run is {self.strategy}")
-        self.ckpt = self.out_dir / "checkpoint"
-        resume = read_checkpoint(self.ckpt) if (self.ckpt / "state.json").exists() else None
-        self.vocab_map = self._resume_vocab_map(vocab_map, resume)
-        target.requires_grad_(False)
-        if cfg.target_sharding == "fsdp":
-            dist_utils.shard_target_fsdp2(target, acc.device, acc.num_processes)
-        else:
-            target.to(acc.device)
-        head = build_head(target, self.vocab_map, head_cfg)
-        if resume is not None:
-            restore_params(head, resume.params, f"checkpoint {self.ckpt}")
-        pad_id = 0 if pad_id is None else pad_id      # e.g. Llama-3.1 has no pad token; padding is never read
-        self.source = self._source(data, target, pad_id, head.config.aux_layer_ids)
-        micro = micro_batch_size(cfg.batch_size, cfg.micro_batch_size, acc.num_processes)
-        self.schedule = StepSchedule(len(self.source), cfg.batch_size, micro, acc.num_processes, cfg.seed,
-                                     self.source.lengths() if cfg.group_by_length else None)
-        acc.gradient_accumulation_steps = self.schedule.grad_accum
-        self._check_resumed_schedule(resume)
-        self.total = self.schedule.total_steps(cfg.epochs, cfg.max_steps)
-        self.raw = TTTObjective(head, head_cfg.step_decay, head_cfg.prompt_loss_weight)
-        self._wrap(micro, resume)
-        report = dist_utils.sharding_report(self.strategy, acc, self.module, self.optimizer)
-        dist_utils.check_sharding(report)
-        self.sharding = report.as_dict()
-        if cfg.target_sharding == "fsdp":
-            self.sharding["target_layers_local_fraction"] = round(
-                dist_utils.local_fraction(target.get_decoder().layers), 4)
-        acc.print(f"draftsmith train: {self.strategy} on {acc.num_processes} process(es), {self.source.mode} mode, "
-                  f"{self.schedule.grad_accum} accumulation step(s) of {micro} sequences per process; rank 0 holds "
-                  f"{report.local}/{report.full} trainable elements")
-        self.step, self.log = (resume.step, resume.state["extra"].get("log", [])) if resume else (0, [])
-        if resume is not None:
-            restore_rng(resume.rng)
-        self.heldout = heldout_prompts(heldout or [], cfg.acceptance.prompts) if cfg.acceptance.every else []
-        if cfg.acceptance.every and (not self.heldout or tokenizer is None):
-            raise ValueError("acceptance.every > 0 needs held-out conversations and the tokenizer "
-                             "(data.heldout_conversations > 0)")
-        if trackers:
-            acc.init_trackers(cfg.wandb_project or "draftsmith", config=_flat(self.run_config),
-                              init_kwargs={"wandb": {"dir": str(self.out_dir)}})
+    @property
+    def vocab_map(self) -> VocabMap:
+        """The draft vocabulary the head trains on (the checkpoint's after a resume)."""
+        return self.spec.vocab_map
 
-    # -- setup helpers -------------------------------------------------------------------------
-    def _resume_vocab_map(self, vocab_map: VocabMap, resume) -> VocabMap:
-        """The checkpoint's vocab map wins on resume: the weights were trained on it."""
-        if resume is None:
-            return vocab_map
-        saved = checkpoint_vocab_map(self.ckpt)
-        if saved is None:                         # checkpoint written before maps were saved: only the hash is known
-            if resume.state["extra"].get("d2t_sha256") != vocab_map.sha256():
-                raise ValueError(f"{self.ckpt} was trained with another vocab map and does not hold it; keep the "
-                                 "run's prepared data or start anew")
-            return vocab_map
-        if saved.sha256() != vocab_map.sha256():
-            logger.warning("resuming %s: the data's draft vocabulary differs from the checkpoint's; keeping the "
-                           "checkpoint's (the head was trained on it)", self.ckpt)
-        return saved
-
-    def schedule_key(self) -> dict:
-        """What the data order depends on (not the world size: any number of processes reads the same data)."""
-        return {"sequences": len(self.source), "batch_size": self.cfg.batch_size, "micro_batches": self.schedule.parts,
-                "seed": self.cfg.seed, "group_by_length": self.cfg.group_by_length}
-
-    def _check_resumed_schedule(self, resume) -> None:
-        saved = resume.state["extra"].get("schedule") if resume is not None else None
-        if saved is not None and saved != self.schedule_key():
-            raise ValueError(f"{self.ckpt} was written with the data schedule {saved}, this run has "
-                             f"{self.schedule_key()}: step {resume.step} would point at other data; keep the "
-                             "batch sizes, seed and data of the run (the number of processes may change)")
-
-    def _source(self, data, target, pad_id: int, aux_layer_ids):
-        from draftsmith.data_pipeline.shards import ShardReader
-
-        if isinstance(data, ShardReader):
-            if self.cfg.mode != "offline":
-                logger.info("data is a capture folder: training in offline mode")
-            return OfflineSource(data, target.get_output_embeddings(), pad_id, aux_layer_ids)
-        if self.cfg.mode == "offline":
-            raise ValueError("train.mode is offline but the data is not a capture folder (ShardReader); run "
-                             "`draftsmith capture RECIPE` first")
-        return OnlineSource(data, target, pad_id, aux_layer_ids)
-
-    def _wrap(self, micro: int, resume) -> None:
-        """Wrap the objective for the strategy, build AdamW and the schedule, restore optimizer state."""
-        cfg, acc, strategy = self.cfg, self.accelerator, self.strategy
-        zero = strategy in ("zero2", "zero3")
-        if resume is not None and zero != (resume.path / "deepspeed").exists():
-            raise ValueError(f"{self.ckpt} was written by a {'non-' if zero else ''}DeepSpeed run; resume it with the "
-                             f"strategy family that wrote it (strategy {resume.state['extra'].get('strategy')!r})")
-        if strategy == "fsdp":
-            dist_utils.apply_fsdp2(self.raw, acc.device, acc.num_processes, cfg.mixed_precision)
-        self.base_optimizer = torch.optim.AdamW(self.raw.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                                weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.base_optimizer, lr_lambda(cfg, self.total))
-        if resume is not None and not zero:
-            dist_utils.load_full_optimizer_state(strategy, self.raw, self.raw, self.base_optimizer,
-                                                 resume.optimizer_state, resume.state.get("param_groups", []))
-        if strategy == "fsdp":
-            self.module, self.optimizer = self.raw, self.base_optimizer
-        else:
-            if zero:
-                dist_utils.configure_deepspeed(acc, micro, self.schedule.grad_accum, cfg.grad_clip)
-            self.module, self.optimizer = acc.prepare(self.raw, self.base_optimizer)
-        if resume is not None:
-            if zero:
-                self.module.load_checkpoint(str(resume.path / "deepspeed"), tag="state", load_optimizer_states=True,
-                                            load_lr_scheduler_states=False)
-            if "scheduler" in resume.state:
-                self.scheduler.load_state_dict(resume.state["scheduler"])
-            for group, lr in zip(self.base_optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = lr                  # the schedule's value for the next step
-
-    # -- the algorithm -------------------------------------------------------------------------
-    def _forward_backward(self, batch: TrainBatch, last: bool) -> torch.Tensor:
-        """Loss and backward of one micro-batch; gradients sync across ranks only on the ``last`` one."""
-        acc = self.accelerator
-        if self.strategy == "fsdp":
-            self.module.set_requires_gradient_sync(last)
-        autocast = contextlib.nullcontext() if self.strategy == "fsdp" else acc.autocast()
-        with acc.accumulate(self.module), autocast:
-            loss, stats = self.module(batch.aux_hidden, batch.input_ids, batch.target_logits, batch.loss_mask,
-                                      batch.attention_mask)
-            acc.backward(loss)
-        return loss.detach(), stats
-
-    def _clip(self) -> float:
-        if self.strategy == "fsdp":
-            norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        else:
-            norm = self.accelerator.clip_grad_norm_(self.module.parameters(), self.cfg.grad_clip)
-        return float(norm) if norm is not None else float("nan")
-
-    def train_step(self) -> dict:
-        """One optimiser step over this rank's micro-batches (steps 1-4 of the module docstring).
-
-        Returns the step's figures over all ranks: loss (mean over micro-batches), per-step accuracy
-        (over supervised rows), real tokens, grad norm (before clipping) and the lr used."""
-        acc = self.accelerator
-        micro = self.schedule.micro_batches(self.step, acc.process_index)
-        steps = self.head_cfg.ttt_steps
-        totals = torch.zeros(3 + 2 * steps, dtype=torch.float64)    # loss sum, micro-batches, tokens, hits, counts
-        for j, indices in enumerate(micro):
-            batch = self.source.batch(indices, acc.device)
-            loss, stats = self._forward_backward(batch, last=j == len(micro) - 1)
-            totals[0] += float(loss)
-            totals[1] += 1
-            totals[2] += batch.num_tokens
-            totals[3:3 + steps] += stats[1] * stats[2]
-            totals[3 + steps:] += stats[2]
-        grad_norm = self._clip()
-        lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
-        totals = self._sum_over_ranks(totals)
-        hits, counts = totals[3:3 + steps], totals[3 + steps:]
-        return {"loss": float(totals[0] / totals[1]), "tokens": int(totals[2]), "grad_norm": grad_norm, "lr": lr,
-                **{f"acc_{i}": float(hits[i] / max(counts[i], 1.0)) for i in range(steps)}}
-
-    def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        if self.accelerator.num_processes == 1:
-            return t
-        import torch.distributed as dist
-
-        t = t.to(self.accelerator.device)
-        dist.all_reduce(t)
-        return t.cpu()
-
-    # -- bookkeeping ---------------------------------------------------------------------------
     def full_head(self) -> Eagle3Head:
-        """The head with full weights on every rank (a fresh copy for fsdp / zero3; collective there)."""
-        head = self.raw.head
-        if self.strategy not in ("fsdp", "zero3"):
-            return head
-        params = dist_utils.full_head_params(self.strategy, self.module, self.raw)
-        with torch.random.fork_rng(devices=[]):        # the copy's throwaway init must not move the RNG
-            copy = build_head(self.target, self.vocab_map, replace(self.head_cfg, init_from_target=False))
-        restore_params(copy, params, "gathered head")
-        return copy.to(self.accelerator.device)
+        """The head with full weights on every rank (``DrafterTrainer.full_drafter``)."""
+        return self.full_drafter()
 
-    def measure_acceptance(self) -> dict:
-        """τ and acceptance on the held-out prompts, summed over ranks (collective)."""
-        acc, a = self.accelerator, self.cfg.acceptance
-        if self.cfg.target_sharding == "fsdp":      # a sharded target needs the same forwards on every rank
-            with torch.no_grad():
-                stats = measure_acceptance(self.target, self.tokenizer, self.full_head(), self.heldout, a.k,
-                                           a.max_new_tokens)
-            return log_fields(stats)
-        with torch.no_grad():
-            stats = measure_acceptance(self.target, self.tokenizer, self.full_head(), self.heldout, a.k,
-                                       a.max_new_tokens, acc.process_index, acc.num_processes)
-        return log_fields(stats_from_tensor(self._sum_over_ranks(stats_tensor(stats)), a.k))
-
-    def save(self) -> None:
-        """Checkpoint (collective): full head params and optimizer state, schedule, RNG, step, vocab map."""
-        acc, strategy = self.accelerator, self.strategy
-        params = dist_utils.full_head_params(strategy, self.module, self.raw)
-        optim = dist_utils.full_optimizer_state(strategy, self.module, self.raw, self.base_optimizer)
-        staging = self.ckpt.with_name(self.ckpt.name + ".tmp")
-        if acc.is_main_process:
-            begin_checkpoint(self.ckpt)
-        acc.wait_for_everyone()
-        if strategy in ("zero2", "zero3"):
-            self.module.save_checkpoint(str(staging / "deepspeed"), tag="state", save_latest=False)
-            acc.wait_for_everyone()
-        if acc.is_main_process:
-            extra = {"log": self.log, "d2t_sha256": self.vocab_map.sha256(), "config": self.run_config,
-                     "strategy": strategy, "world_size": acc.num_processes, "mode": self.source.mode,
-                     "schedule": self.schedule_key()}
-            write_checkpoint(staging, params, optim, self.base_optimizer.param_groups, self.scheduler.state_dict(),
-                             self.step, extra, self.vocab_map)
-            commit_checkpoint(self.ckpt)
-        acc.wait_for_everyone()
-
-    def run(self) -> TrainResult:
-        """Train from the current step to the end; returns the full head and the log."""
-        acc, cfg = self.accelerator, self.cfg
-        bar = tqdm(total=self.total, initial=self.step, desc="train eagle3", disable=not acc.is_main_process)
-        t0 = time.time()
-        tokens, busy = 0, 0.0                   # since the last log entry: tokens trained, seconds in train_step
-        while self.step < self.total:
-            started = time.time()
-            figures = self.train_step()
-            busy += time.time() - started
-            tokens += figures["tokens"]
-            bar.update(1)
-            bar.set_postfix(loss=f"{figures['loss']:.3f}", acc0=f"{figures['acc_0']:.2f}")
-            measured = bool(cfg.acceptance.every) and self.step % cfg.acceptance.every == 0
-            if measured:
-                figures.update(self.measure_acceptance())
-            if self.step % cfg.log_every == 0 or self.step == self.total or measured:
-                entry = {"step": self.step, "epoch": (self.step - 1) // self.schedule.steps_per_epoch,
-                         "tokens_per_s": tokens / max(busy, 1e-9),
-                         **{k: v for k, v in figures.items() if k != "tokens"}}
-                tokens, busy = 0, 0.0
-                self.log.append(entry)
-                acc.log(entry, step=self.step)
-                if measured:
-                    acc.print(f"step {self.step}: tau {entry['tau']:.3f} on {len(self.heldout)} held-out prompts")
-            if (cfg.ckpt_every and self.step % cfg.ckpt_every == 0) or self.step == self.total:
-                self.save()
-        bar.close()
-        head = self.full_head()
-        for tracker in acc.trackers:          # not acc.end_training(): it also destroys the process group
-            tracker.finish()
-        if acc.is_main_process:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            (self.out_dir / "train_log.json").write_text(json.dumps(self.log, indent=1))
-        return TrainResult(head, self.step, self.log, time.time() - t0, acc.is_main_process, self.sharding)
+    def _commit(self, path: Path) -> Path:
+        return commit_checkpoint(path)       # this module's name: tests interrupt EAGLE-3 runs here
 
 
 def train_eagle3(target, data, vocab_map: VocabMap, head_cfg: HeadConfig, cfg: TrainConfig, out_dir: Path,
