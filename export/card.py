@@ -7,7 +7,9 @@ Sections: front matter (library, tags, base_model), serve commands for every for
 holds (draftsmith, vLLM and SGLang on the research layout, ``vllm serve`` on speculators/), the head's
 geometry, the held-out acceptance table (τ, acceptance rate, accepted per draft position; tokens/s and
 speedup when a full eval report is given), the acceptance-per-position plot, and the engines a
-referee run verified the head with (``draftsmith.json`` ``referee``).
+referee run verified the head with (``draftsmith.json`` ``referee``). An MLP speculator
+(``head_type: mlp_speculator``) and a distilled draft model (``head_type: draft_model``) get their own
+title, serve commands (draftsmith, vLLM) and geometry.
 """
 from __future__ import annotations
 
@@ -110,10 +112,85 @@ def write_model_card(head_dir: str | Path, report: dict | None = None, plot: str
     kept and linked. Raises FileNotFoundError when ``head_dir`` is not a head directory."""
     head_dir = Path(head_dir)
     meta = read_metadata(head_dir)
+    k, rows = _rows_from_report(report) if report else _rows_from_metadata(meta.eval or {})
+    if meta.head_type == "mlp_speculator":
+        lines = _mlp_speculator_lines(head_dir, meta, k)
+    elif meta.head_type == "draft_model":
+        lines = _draft_model_lines(head_dir, meta, k)
+    else:
+        lines = _eagle3_lines(head_dir, meta, k)
+    if rows:
+        lines += [f"## Held-out acceptance (greedy{f', k = {k}' if k else ''})", "",
+                  "τ = 1 + accepted / drafts; pos i = share of drafts whose i-th token was accepted.", "",
+                  acceptance_table(rows, k), ""]
+    if plot and Path(plot).is_file() and Path(plot).resolve() != (head_dir / PLOT_FILE).resolve():
+        shutil.copyfile(plot, head_dir / PLOT_FILE)
+    if (head_dir / PLOT_FILE).is_file():
+        lines += [f"![acceptance per draft position]({PLOT_FILE})", ""]
+    lines += _referee_lines(meta.referee)
+    path = head_dir / "README.md"
+    tmp = path.with_name("README.md.tmp")
+    tmp.write_text("\n".join(lines))
+    tmp.replace(path)
+    return path
+
+
+def _mlp_speculator_lines(head_dir: Path, meta, k: int | None) -> list[str]:
+    """Front matter, serve commands and geometry of an MLP speculator (``export/mlp_speculator.py``)."""
     target, head = meta.target, meta.head_config
     name = target.get("name_or_path")
-    k, rows = _rows_from_report(report) if report else _rows_from_metadata(meta.eval or {})
-    lines = [
+    k = int(k or head.get("n_predict"))
+    spec = f'{{"method": "mlp_speculator", "model": "{head_dir}", "num_speculative_tokens": {k}}}'
+    return [
+        "---", "library_name: draftsmith", "tags: [speculative-decoding, mlp-speculator]",
+        f"base_model: {name}", "---", "",
+        f"# MLP speculator for `{name}`", "",
+        "An MLP speculator (Wertheimer et al. 2024, arXiv:2404.19124: stage i mixes the previous state, "
+        "starting from the target's final hidden state, with the embedding of the previous token and predicts "
+        "one token) made with draftsmith. `draftsmith.json` records the target's identity, the training data "
+        "and the sha256 of the weight file; `draftsmith check` refuses a mismatched target.", "",
+        "## Serve", "", "```bash", "# draftsmith (checks this head against the target before serving)",
+        f"draftsmith serve --target {name} --speculative-config '{spec}'",
+        "# vLLM reads config.json (model_type mlp_speculator) in releases whose engine serves the method",
+        f"vllm serve {name} --speculative-config '{spec}'", "```", "",
+        "## Head", "",
+        f"- target: `{name}` ({', '.join(target.get('architectures') or [])}, {target.get('num_hidden_layers')} "
+        f"layers, hidden {target.get('hidden_size')}, vocab {target.get('vocab_size')})",
+        f"- stages (n_predict): {head.get('n_predict')}; inner_dim {head.get('inner_dim')}; "
+        f"scale_input {str(head.get('scale_input')).lower()}; drafts at most n_predict tokens per step", "",
+    ]
+
+
+def _draft_model_lines(head_dir: Path, meta, k: int | None) -> list[str]:
+    """Front matter, serve commands and geometry of a distilled draft model (``export/draft_model.py``)."""
+    target, head = meta.target, meta.head_config
+    name = target.get("name_or_path")
+    spec = f'{{"method": "draft_model", "model": "{head_dir}", "num_speculative_tokens": {int(k or 5)}}}'
+    return [
+        "---", "library_name: transformers", "tags: [speculative-decoding, draft-model, draftsmith]",
+        f"base_model: {name}", "---", "",
+        f"# Draft model for `{name}`", "",
+        "A small causal LM over the target's tokenizer and vocabulary, distilled by draftsmith on the target's own "
+        "answers with forward KL against the target's full next-token distribution (`train/draft_model.py`). "
+        "The directory is an ordinary transformers model; `draftsmith.json` records the target's identity, the "
+        "training data and the sha256 of every weight file, and draftsmith's runtime refuses another target.", "",
+        "## Serve", "", "```bash", "# draftsmith (checks this draft against the target before serving)",
+        f"draftsmith serve --target {name} --speculative-config '{spec}'",
+        "# vLLM loads the directory as a normal causal LM",
+        f"vllm serve {name} --speculative-config '{spec}'", "```", "",
+        "## Draft", "",
+        f"- target: `{name}` ({', '.join(target.get('architectures') or [])}, {target.get('num_hidden_layers')} "
+        f"layers, hidden {target.get('hidden_size')}, vocab {target.get('vocab_size')})",
+        f"- draft: {', '.join(head.get('architectures') or [])}, {head.get('num_hidden_layers')} layers, hidden "
+        f"{head.get('hidden_size')}, {head.get('num_parameters')} parameters, vocab {head.get('vocab_size')}", "",
+    ]
+
+
+def _eagle3_lines(head_dir: Path, meta, k: int | None) -> list[str]:
+    """Front matter, serve commands and geometry of an EAGLE-3 head."""
+    target, head = meta.target, meta.head_config
+    name = target.get("name_or_path")
+    return [
         "---", "library_name: draftsmith", "tags: [speculative-decoding, eagle3]",
         f"base_model: {name}", "---", "",
         f"# EAGLE-3 draft head for `{name}`", "",
@@ -129,17 +206,3 @@ def write_model_card(head_dir: str | Path, report: dict | None = None, plot: str
         f"- draft vocab: {head.get('draft_vocab_size')} of {head.get('vocab_size')} target tokens",
         f"- ttt_steps: {head.get('ttt_steps')}", "",
     ]
-    if rows:
-        lines += [f"## Held-out acceptance (greedy{f', k = {k}' if k else ''})", "",
-                  "τ = 1 + accepted / drafts; pos i = share of drafts whose i-th token was accepted.", "",
-                  acceptance_table(rows, k), ""]
-    if plot and Path(plot).is_file() and Path(plot).resolve() != (head_dir / PLOT_FILE).resolve():
-        shutil.copyfile(plot, head_dir / PLOT_FILE)
-    if (head_dir / PLOT_FILE).is_file():
-        lines += [f"![acceptance per draft position]({PLOT_FILE})", ""]
-    lines += _referee_lines(meta.referee)
-    path = head_dir / "README.md"
-    tmp = path.with_name("README.md.tmp")
-    tmp.write_text("\n".join(lines))
-    tmp.replace(path)
-    return path

@@ -16,6 +16,8 @@ Startup:
   2. eagle3: ``export.check.load_eagle3`` checks the head's metadata against the target and tokenizer
      (a mismatch raises ``HeadMismatchError``: the engine does not start); the head is loaded ONCE and
      the target is wrapped with the head's aux layers;
+     mlp_speculator: ``export.mlp_speculator.load_mlp_speculator`` checks it the same way; k must not exceed
+     its n_predict stages (as vLLM refuses);
      draft_model: the draft is loaded once (``models.load_causal_lm``) and must share the target's
      tokenizer (``check_same_tokenizer``) and vocabulary size;
   3. per request: a fresh proposer around the loaded head / draft (proposers hold per-sequence state).
@@ -45,8 +47,8 @@ from .target import TargetModel
 
 logger = logging.getLogger(__name__)
 
-SPECULATIVE_METHODS = ("draft_model", "eagle3", "ngram")
-HEAD_METADATA_FILE = "draftsmith.json"     # what marks an exported EAGLE-3 head directory
+SPECULATIVE_METHODS = ("draft_model", "eagle3", "mlp_speculator", "ngram")
+HEAD_METADATA_FILE = "draftsmith.json"     # what marks an exported head directory (EAGLE-3, MLP speculator)
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15     # request seed + offset seeds the drafter's sampling generator
 
 
@@ -55,10 +57,10 @@ class SpeculativeConfig:
     """vLLM ``--speculative-config`` keys implemented here (same names, same meaning).
 
     Attributes:
-        method: 'ngram' | 'draft_model' | 'eagle3'. When omitted with a ``model``: 'eagle3' if the model
-            is a directory holding ``draftsmith.json`` (an exported head), else 'draft_model'
-            (vLLM also infers the method from the model).
-        model: EAGLE-3: the exported head directory; draft_model: the draft's name or path
+        method: 'ngram' | 'draft_model' | 'eagle3' | 'mlp_speculator'. When omitted with a ``model``: the
+            ``head_type`` of ``draftsmith.json`` when the model is an exported head directory, else
+            'draft_model' (vLLM also infers the method from the model).
+        model: EAGLE-3 / MLP speculator: the exported head directory; draft_model: the draft's name or path
             (``reference-draft`` is the embedded one); ngram: must be omitted.
         num_speculative_tokens: k, drafted tokens per verify step (>= 1; required).
         prompt_lookup_min, prompt_lookup_max: ngram only; shortest / longest suffix n-gram looked up
@@ -78,7 +80,7 @@ class SpeculativeConfig:
         if self.method is None:
             if self.model is None:
                 raise ValueError(f"speculative config: 'method' is required (one of {', '.join(SPECULATIVE_METHODS)})")
-            self.method = "eagle3" if (Path(self.model) / HEAD_METADATA_FILE).is_file() else "draft_model"
+            self.method = _head_type(Path(self.model)) or "draft_model"
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative config: method {self.method!r} is not supported; draftsmith implements "
                              f"{', '.join(SPECULATIVE_METHODS)}")
@@ -104,7 +106,8 @@ class SpeculativeConfig:
                                  f"prompt_lookup_max ({self.prompt_lookup_max})")
         else:
             if self.model is None:
-                what = "the exported head directory" if self.method == "eagle3" else "the draft model's name or path"
+                what = ("the draft model's name or path" if self.method == "draft_model"
+                        else "the exported head directory")
                 raise ValueError(f"speculative config: method {self.method!r} needs 'model' ({what})")
             given = [n for n in ("prompt_lookup_min", "prompt_lookup_max") if getattr(self, n) is not None]
             if given:
@@ -134,6 +137,17 @@ class SpeculativeConfig:
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative config must be a JSON object, got {value!r}")
         return cls.from_dict(value)
+
+
+def _head_type(path: Path) -> str | None:
+    """``head_type`` recorded in an exported head directory's draftsmith.json (None: not a head directory)."""
+    meta = path / HEAD_METADATA_FILE
+    if not meta.is_file():
+        return None
+    try:
+        return str(json.loads(meta.read_text(encoding="utf-8")).get("head_type") or "eagle3")
+    except (OSError, ValueError, AttributeError):
+        return "eagle3"           # unreadable: the eagle3 loader reports what is wrong with it
 
 
 class RequestError(ValueError):
@@ -180,6 +194,7 @@ class _CountingProposer(Proposer):
     def __init__(self, inner: Proposer, k: int):
         self.inner, self.stats, self.verify_steps = inner, SpecStats(k=k), 0
         self.needs_aux_hidden = inner.needs_aux_hidden
+        self.needs_final_hidden = inner.needs_final_hidden
         self._proposed = 0
 
     def start(self, prompt_ids, first_token, target_step) -> None:
@@ -283,7 +298,8 @@ class Engine:
 
     Raises:
         ValueError: a bad speculative config or max_model_len; a draft model whose tokenizer or vocabulary is
-            not the target's. ``HeadMismatchError`` (a ValueError): an EAGLE-3 head that does not fit the target.
+            not the target's; num_speculative_tokens above an MLP speculator's n_predict. ``HeadMismatchError``
+            (a ValueError): an EAGLE-3 head or MLP speculator that does not fit the target.
     """
 
     def __init__(self, model, tokenizer, speculative_config=None, *, model_name: str = "draftsmith",
@@ -300,6 +316,16 @@ class Engine:
                                   allow_mismatch=allow_mismatch)
             head.to(device).bind_embedding(model.get_input_embeddings())
             self.head, aux_layer_ids = head, head.config.aux_layer_ids
+        elif self.spec is not None and self.spec.method == "mlp_speculator":
+            from draftsmith.export.mlp_speculator import load_mlp_speculator
+
+            head, _ = load_mlp_speculator(self.spec.model, target_model=model, tokenizer=tokenizer,
+                                          allow_mismatch=allow_mismatch)
+            if self.spec.num_speculative_tokens > head.config.n_predict:
+                raise ValueError(f"speculative config: num_speculative_tokens {self.spec.num_speculative_tokens} > "
+                                 f"the MLP speculator's n_predict {head.config.n_predict} (it drafts one token per "
+                                 f"stage); use num_speculative_tokens <= {head.config.n_predict}")
+            self.head = head.to(device)
         elif self.spec is not None and self.spec.method == "draft_model":
             from draftsmith.models import load_causal_lm
 
@@ -379,6 +405,10 @@ class Engine:
         sampling = dict(temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=seed)
         if self.spec.method == "draft_model":
             return DraftModelProposer(self.draft_model, self.target.vocab_size, **sampling)
+        if self.spec.method == "mlp_speculator":
+            from .proposers.mlp_speculator import MLPSpeculatorProposer
+
+            return MLPSpeculatorProposer(self.head, **sampling)
         from .proposers.eagle3 import Eagle3Proposer
 
         return Eagle3Proposer(self.head, **sampling)

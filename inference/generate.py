@@ -247,7 +247,8 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
       6. Append the emitted chunk token by token, stopping at EOS / stop ids / max_new_tokens.
 
     Args:
-        target: wrapped target (built with ``aux_layer_ids`` when the proposer needs aux states).
+        target: wrapped target (built with ``aux_layer_ids`` when the proposer needs aux states; every
+            forward returns ``final_hidden`` when ``proposer.needs_final_hidden``).
         proposer: a fresh or reusable ``Proposer`` (``start`` resets it per sequence).
         prompt_ids: ``[T]`` int64 (or ``[1, T]``, or a list). cfg: decoding settings.
         k: most drafted tokens per verify step (>= 0; 0 degenerates to plain decoding).
@@ -273,7 +274,8 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
         return GenerationResult(out.tokens, out.finish_reason, stats, 0)
     generator = _generator(cfg, target.device)
     cache = target.new_cache()
-    step: TargetStep = target.forward(prompt, cache)
+    final_hidden = bool(proposer.needs_final_hidden)                # MLP speculator: lm_head inputs of every row
+    step: TargetStep = target.forward(prompt, cache, final_hidden=final_hidden)
     forwards = 1
     first = _next_token(step.logits[-1], cfg, generator)
     if out.extend([first]):
@@ -284,7 +286,8 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
         proposal = _checked(proposer.propose(requested), requested, target.vocab_size, proposer)
         drafts = proposal.tokens
         kept = cache.length                                             # prompt + emitted[:-1]
-        step = target.forward(torch.cat([torch.tensor(out.tokens[-1:], device=drafts.device), drafts]), cache)
+        step = target.forward(torch.cat([torch.tensor(out.tokens[-1:], device=drafts.device), drafts]), cache,
+                              final_hidden=final_hidden)
         forwards += 1
         if cfg.greedy:
             emitted, n = verify_greedy(drafts, step.logits)

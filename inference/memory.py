@@ -188,8 +188,9 @@ def plan_memory(target_config, *, dtype: str = "float32", device: str = "cpu", m
         dtype: serving dtype name of the target and draft model. device: 'cpu' or 'cuda[:i]'.
         max_model_len: tokens per sequence (default: the target's max_position_embeddings).
         max_num_seqs: sequences whose KV caches live at once (the engine: 1).
-        method: None (no speculation), 'ngram', 'draft_model' (needs ``draft_config``) or 'eagle3'
-            (needs ``head_dir``, an exported head directory or one of its format folders).
+        method: None (no speculation), 'ngram', 'draft_model' (needs ``draft_config``), 'eagle3'
+            (needs ``head_dir``, an exported head directory or one of its format folders) or 'mlp_speculator'
+            (needs ``head_dir``).
         free_bytes: free memory to plan against (default: ``free_memory_bytes(device)``; tests pass a number).
 
     Returns:
@@ -223,6 +224,11 @@ def plan_memory(target_config, *, dtype: str = "float32", device: str = "cpu", m
             head_bytes, head_b = eagle3_head_bytes(head_config, "float32"), 4
         items["EAGLE-3 head weights"] = head_bytes
         per_token["EAGLE-3 head KV cache"] = 2 * head_config["num_key_value_heads"] * head_config["head_dim"] * head_b
+    elif method == "mlp_speculator":                         # weights only: its stages keep no cache
+        if head_dir is None:
+            raise ValueError("plan_memory: method 'mlp_speculator' needs head_dir")
+        files = sorted(Path(head_dir).glob("*.safetensors"))
+        items["MLP speculator weights"] = sum(safetensors_bytes(f)[0] for f in files)
     for name, size in per_token.items():
         items[name] = size * max_model_len * max_num_seqs
     items["prefill activations"] = _prefill_bytes(target_config, max_model_len, dtype, method == "eagle3")
@@ -295,5 +301,6 @@ def plan_for_engine(target: str, speculative_config: Any = None, *, dtype: str =
     method = spec.method if spec is not None else None
     draft_config = AutoConfig.from_pretrained(reference.resolve(spec.model)) if method == "draft_model" else None
     return plan_memory(config, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=1,
-                       method=method, draft_config=draft_config, head_dir=spec.model if method == "eagle3" else None,
+                       method=method, draft_config=draft_config,
+                       head_dir=spec.model if method in ("eagle3", "mlp_speculator") else None,
                        free_bytes=free_bytes)

@@ -9,6 +9,11 @@ low→mid→high of ``outputs.hidden_states[i]`` for i in ``aux_layer_ids``, in 
 ``output_hidden_states`` index convention, where ``hidden_states[i]`` is the INPUT of decoder layer i
 (the convention of vLLM's ``llama_eagle3.py``). Index N (N = number of layers) is the final *normed*
 output in transformers, so valid ids are 0..N-1.
+
+``final_hidden`` (asked per forward, for the MLP speculator) is the input of the model's output
+embedding (lm_head), i.e. the last layer's output AFTER the final norm: what vLLM hands an MLP
+speculator as ``previous_hidden_states``. For Llama/Qwen it equals ``outputs.hidden_states[-1]``
+(tests/test_mlp_speculator.py checks both); it is read with a pre-hook on lm_head only when asked.
 """
 from __future__ import annotations
 
@@ -28,10 +33,13 @@ class TargetStep:
         logits: ``[T_new, V]`` float32; row t is the next-token logits after reading token t.
         aux_hidden: ``[T_new, len(aux_layer_ids) * H]`` (``[T_new, 3H]`` for EAGLE-3) in the model's
             dtype, low→mid→high; ``None`` when the target was built without ``aux_layer_ids``.
+        final_hidden: ``[T_new, H]`` in the model's dtype, the lm_head input (post final norm) of each row;
+            ``None`` unless the forward was asked for it (``final_hidden=True``).
     """
 
     logits: torch.Tensor
     aux_hidden: torch.Tensor | None = None
+    final_hidden: torch.Tensor | None = None
 
 
 class TargetModel:
@@ -76,11 +84,15 @@ class TargetModel:
         return KVCache(self.model.config)
 
     @torch.no_grad()   # not inference_mode: an EAGLE head may reuse aux_hidden in autograd-aware code
-    def forward(self, input_ids: torch.Tensor, cache: KVCache) -> TargetStep:
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, final_hidden: bool = False) -> TargetStep:
         """Read ``input_ids`` ``[T_new]`` (int64) at positions ``cache.length ..`` and extend ``cache``.
 
+        ``final_hidden``: also return the lm_head input ``[T_new, H]`` (no extra forward work: a pre-hook
+        on the output embedding keeps its input).
+
         Returns:
-            ``TargetStep`` with logits ``[T_new, V]`` float32 and aux_hidden ``[T_new, 3H]`` or None.
+            ``TargetStep`` with logits ``[T_new, V]`` float32, aux_hidden ``[T_new, 3H]`` or None,
+            final_hidden ``[T_new, H]`` or None.
 
         Raises:
             ValueError: ``input_ids`` is not a non-empty 1-D tensor (the runtime decodes one sequence).
@@ -91,9 +103,24 @@ class TargetModel:
         device = self.device
         start = cache.length
         positions = torch.arange(start, start + input_ids.numel(), device=device)
-        out = self.model(input_ids=input_ids.to(device)[None], position_ids=positions[None],
-                         output_hidden_states=self.aux_layer_ids is not None, **cache.model_kwargs())
+        lm_head_inputs: list[torch.Tensor] = []
+        hook = (self.model.get_output_embeddings().register_forward_pre_hook(
+            lambda _module, args: lm_head_inputs.append(args[0])) if final_hidden else None)
+        try:
+            out = self.model(input_ids=input_ids.to(device)[None], position_ids=positions[None],
+                             output_hidden_states=self.aux_layer_ids is not None, **cache.model_kwargs())
+        finally:
+            if hook is not None:
+                hook.remove()
         aux = None
         if self.aux_layer_ids is not None:
             aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)   # [T_new, 3H]
-        return TargetStep(logits=out.logits[0].float(), aux_hidden=aux)
+        final = None
+        if final_hidden:
+            if len(lm_head_inputs) != 1 or lm_head_inputs[0].shape[:2] != (1, input_ids.numel()):
+                raise RuntimeError(f"{type(self.model).__name__}: expected one lm_head call over all "
+                                   f"{input_ids.numel()} rows, saw {[tuple(x.shape) for x in lm_head_inputs]}; "
+                                   "final_hidden needs a model whose forward applies its output embedding once "
+                                   "to every position")
+            final = lm_head_inputs[0][0]                                                     # [T_new, H]
+        return TargetStep(logits=out.logits[0].float(), aux_hidden=aux, final_hidden=final)

@@ -1,4 +1,4 @@
-"""The drafter contract: every proposer (n-gram, draft model, EAGLE-3) is a ``Proposer``.
+"""The drafter contract: every proposer (n-gram, draft model, EAGLE-3, MLP speculator) is a ``Proposer``.
 
 The outer loop (``inference/generate.py``) calls, for one sequence:
   1. ``start(prompt_ids, first_token, target_step)`` once, after the target's prefill produced the
@@ -45,9 +45,12 @@ class Proposer(abc.ABC):
     Attributes:
         needs_aux_hidden: True when ``target_step.aux_hidden`` must be filled (EAGLE-3); the runtime
             then refuses a target built without ``aux_layer_ids``.
+        needs_final_hidden: True when ``target_step.final_hidden`` (the target's lm_head input) must be
+            filled (MLP speculator); the runtime then asks every target forward for it.
     """
 
     needs_aux_hidden: bool = False
+    needs_final_hidden: bool = False
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, target_step) -> None:
         """Begin a sequence: context = ``prompt_ids`` ``[T]`` + ``first_token``; ``target_step`` is the
