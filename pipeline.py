@@ -16,12 +16,14 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from draftsmith.config import to_dict
 from draftsmith.data_pipeline.dataset import render_dataset
 from draftsmith.data_pipeline.prepare import DataConfig, PreparedData, prepare
 from draftsmith.inference.eval import EvalConfig, evaluate, format_table, plot_acceptance
 from draftsmith.models import TargetConfig, load_causal_lm
+from draftsmith.train.draft_model import DraftModelConfig
 from draftsmith.train.eagle3 import HeadConfig, TrainConfig, train_eagle3
 
 logger = logging.getLogger(__name__)
@@ -45,13 +47,16 @@ class CaptureConfig:
 
 @dataclass
 class Recipe:
-    """One EAGLE-3 job: every section is a typed config; unknown keys are rejected when loading."""
+    """One job: ``method`` picks the drafter trained (its section: ``head`` for eagle3, ``draft_model``
+    for a distilled draft LM); every section is a typed config; unknown keys are rejected when loading."""
 
     name: str = "reference-eagle3"
     out_dir: Path = Path("runs")
+    method: Literal["eagle3", "draft_model", "mlp_speculator"] = "eagle3"   #: drafter trained (run_train TRAINERS)
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DataConfig = field(default_factory=DataConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
+    draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)   #: method draft_model
     train: TrainConfig = field(default_factory=TrainConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -88,10 +93,10 @@ def run_capture(recipe: Recipe, target=None, tokenizer=None) -> dict:
 def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
     """Stages 1-3: prepare (and, for ``train.mode: offline`` in one process, capture), train, export.
 
-    Returns the exported head directory."""
-    from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
-
+    Training and export are the ``TRAINERS`` entry of ``recipe.method``. Returns the exported directory
+    (a head, or a draft model). Raises ValueError for a method without a trainer."""
+    if recipe.method not in TRAINERS:
+        raise ValueError(f"recipe method {recipe.method!r} has no trainer; known: {', '.join(TRAINERS)}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (recipe.run_dir / "data" / "manifest.json").exists():
         raise RuntimeError(f"{recipe.run_dir / 'data'} is not prepared: under several processes run `draftsmith prepare "
                            "RECIPE` (and `draftsmith capture RECIPE` for train.mode=offline) in one process first")
@@ -108,19 +113,52 @@ def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
         train_data.check_target(target, tokenizer)
     else:
         train_data = render_dataset(tokenizer, data.conversations, recipe.data.max_length)
+    return TRAINERS[recipe.method](recipe, target, tokenizer, data, train_data)
+
+
+def _training_record(recipe: Recipe, data: PreparedData, result) -> dict:
+    """draftsmith.json ``training`` of a finished run: recipe, data manifest, steps, time, last figures."""
+    last = result.log[-1] if result.log else {}
+    return {"recipe": to_dict(recipe), "data_manifest": {k: v for k, v in data.manifest.items() if k != "key"},
+            "steps": result.steps, "seconds": result.seconds,
+            "final": {k: v for k, v in last.items() if k.startswith(("loss", "acc_", "tau", "acceptance"))}}
+
+
+def _train_eagle3(recipe: Recipe, target, tokenizer, data: PreparedData, train_data) -> Path:
+    """Train an EAGLE-3 head (``train.eagle3``) and export it (rank 0) to ``RUN/head``."""
+    from draftsmith.export.identity import target_identity
+    from draftsmith.export.writer import export_eagle3
+
     result = train_eagle3(target, train_data, data.vocab_map, recipe.head, recipe.train, recipe.run_dir / "train",
                           tokenizer.pad_token_id, run_config=to_dict(recipe), heldout=data.heldout, tokenizer=tokenizer)
     head_dir = recipe.run_dir / "head"
     if not result.is_main_process:            # under accelerate launch rank 0 exports
         return head_dir
     identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
-    last = result.log[-1] if result.log else {}
-    training = {"recipe": to_dict(recipe), "data_manifest": {k: v for k, v in data.manifest.items() if k != "key"},
-                "steps": result.steps, "seconds": result.seconds,
-                "final": {k: v for k, v in last.items() if k.startswith(("loss", "acc_", "tau", "acceptance"))}}
-    export_eagle3(result.head, head_dir, identity, target.config, training=training,
+    export_eagle3(result.head, head_dir, identity, target.config, training=_training_record(recipe, data, result),
                   formats=tuple(recipe.export.formats), speculative_tokens=recipe.eval.k)
     return head_dir
+
+
+def _train_draft_model(recipe: Recipe, target, tokenizer, data: PreparedData, train_data) -> Path:
+    """Distil a draft LM (``train.draft_model``) and export it (rank 0) to ``RUN/head`` as an HF model
+    directory with draftsmith.json (``export.draft_model``)."""
+    from draftsmith.export.draft_model import export_draft_model
+    from draftsmith.export.identity import target_identity
+    from draftsmith.train.draft_model import train_draft_model
+
+    result = train_draft_model(target, train_data, recipe.draft_model, recipe.train, recipe.run_dir / "train",
+                               tokenizer.pad_token_id, run_config=to_dict(recipe), heldout=data.heldout,
+                               tokenizer=tokenizer)
+    out = recipe.run_dir / "head"
+    if not result.is_main_process:
+        return out
+    identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
+    return export_draft_model(result.head, tokenizer, out, identity, training=_training_record(recipe, data, result))
+
+
+#: recipe ``method`` -> fn(recipe, target, tokenizer, prepared data, train data) -> exported directory
+TRAINERS = {"eagle3": _train_eagle3, "draft_model": _train_draft_model}
 
 
 def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
@@ -139,6 +177,12 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
     from draftsmith.train.eagle3 import build_head
 
     if (Path(run_dir) / METADATA_FILE).is_file():
+        from draftsmith.export.metadata import read_metadata
+
+        if read_metadata(run_dir).head_type == "draft_model":
+            from draftsmith.export.draft_model import reexport_draft_model
+
+            return reexport_draft_model(run_dir, out)
         return reexport_head(run_dir, out, formats)
     ckpt = Path(run_dir) / "train" / "checkpoint"
     if not (ckpt / "state.json").exists():
@@ -147,6 +191,8 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
     recipe = from_dict(Recipe, state["extra"]["config"])
     target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
     data = load_prepared(Path(run_dir) / "data")
+    if recipe.method == "draft_model":
+        return _export_draft_model_run(recipe, state, ckpt, target, tokenizer, data, out)
     saved_map = checkpoint_vocab_map(ckpt)                # the map the weights were trained on, when saved
     head = build_head(target, saved_map if saved_map is not None else data.vocab_map, recipe.head)
     load_checkpoint(ckpt, head)
@@ -157,6 +203,22 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
                         speculative_tokens=recipe.eval.k)
     _attach_eval(out, Path(run_dir) / "eval")
     return out
+
+
+def _export_draft_model_run(recipe: Recipe, state: dict, ckpt: Path, target, tokenizer, data: PreparedData,
+                            out: Path) -> Path:
+    """``export_run`` of a draft-model run: the checkpoint's weights into the recipe's draft LM, exported."""
+    from draftsmith.export.draft_model import export_draft_model
+    from draftsmith.export.identity import target_identity
+    from draftsmith.train.checkpoint import load_checkpoint
+    from draftsmith.train.draft_model import build_draft_model
+
+    draft = build_draft_model(target, recipe.draft_model, tokenizer, fresh=True)
+    load_checkpoint(ckpt, draft)
+    identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
+    training = {"recipe": state["extra"]["config"], "steps": state["step"],
+                "data_manifest": {k: v for k, v in data.manifest.items() if k != "key"}}
+    return export_draft_model(draft.eval(), tokenizer, out, identity, training=training)
 
 
 def eval_summary(report: dict) -> dict:

@@ -51,7 +51,8 @@ OVERRIDABLE_FIELDS = ("model_type", "architectures", "hidden_size", "num_hidden_
 # Fields that only warn when they differ.
 WARN_FIELDS = ("revision", "chat_template_sha256")
 
-__all__ = ["CheckReport", "HeadMismatchError", "check_head", "load_eagle3", "expected_weight_shapes",
+__all__ = ["CheckReport", "HeadMismatchError", "check_head", "load_eagle3", "compare_target_identity",
+           "expected_weight_shapes",
            "validate_vocab_map", "validate_aux_layer_ids", "validate_head_config", "check_engine_configs",
            "resolve_head_dir", "OVERRIDABLE_FIELDS"]
 
@@ -80,8 +81,8 @@ class CheckReport:
         m = self.metadata
         verdict = (f"fits target {m.target.get('name_or_path')}" if self.checked_target
                    else "is intact (no target given)")
-        lines = [f"OK: {self.head_dir} ({m.head_type}, draft vocab {m.draft_vocab_size}, aux layers "
-                 f"{m.aux_layer_ids} [{m.aux_layer_convention}]) {verdict}"]
+        aux = f", aux layers {m.aux_layer_ids} [{m.aux_layer_convention}]" if m.aux_layer_ids else ""
+        lines = [f"OK: {self.head_dir} ({m.head_type}, draft vocab {m.draft_vocab_size}{aux}) {verdict}"]
         lines += [f"  overridden: {name} (head {self.override_values[name]['head']!r}, target "
                   f"{self.override_values[name]['target']!r})" if name in self.override_values
                   else f"  overridden: {name}" for name in self.overridden]
@@ -184,10 +185,15 @@ def validate_aux_layer_ids(aux_layer_ids, convention: str, num_hidden_layers: in
                                 f"the target this head was trained for, or retrain with ids in range.")
 
 
-def _compare_target(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...], where: str
-                    ) -> tuple[dict, list[str]]:
-    """Refusals (collected, raised together), overrides ({field: {head, target}}) and warnings for the
-    identity fields."""
+def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...], where: str
+                            ) -> tuple[dict, list[str]]:
+    """Step 6 for any drafter that records a target identity (EAGLE-3 heads, MLP speculators, draft
+    models): ``recorded`` (draftsmith.json ``target``) against ``actual`` (``target_identity`` of the
+    loaded target). Returns (overrides ``{field: {"head", "target"}}``, warnings).
+
+    Raises HeadMismatchError naming the first differing ``OVERRIDABLE_FIELDS`` field (every refusal is
+    listed in the message with both values and the fix) unless it is in ``allow_mismatch``; a
+    different revision or chat template only warns."""
     problems, overridden, warnings = [], {}, []
     name = recorded.get("name_or_path")
     for key in OVERRIDABLE_FIELDS:
@@ -225,6 +231,9 @@ def _compare_target(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...
         first = problems[0].split(":", 1)[0]
         raise HeadMismatchError(first, f"{where} does not fit the target:\n  - " + "\n  - ".join(problems))
     return overridden, warnings
+
+
+_compare_target = compare_target_identity     # the earlier private name
 
 
 def validate_head_config(head_config: dict, where: str = "head") -> None:
@@ -356,7 +365,7 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
     else:
         if name_or_path and name_or_path != meta.target.get("name_or_path"):
             logger.info("%s: trained on %r, checked against %r", where, meta.target.get("name_or_path"), name_or_path)
-        overridden, warnings = _compare_target(meta.target, actual, allow_mismatch, where)
+        overridden, warnings = compare_target_identity(meta.target, actual, allow_mismatch, where)
     validate_aux_layer_ids(meta.aux_layer_ids, meta.aux_layer_convention,
                            actual["num_hidden_layers"] if actual else None, where)
     # 4. engine configs (after the target: an engine's default aux layers depend on the target's depth)
@@ -388,7 +397,22 @@ def check_head(head_dir: str | Path, target_config: Any, tokenizer: Any = None, 
                allow_mismatch=(), tensor_parallel_size: int | None = None) -> CheckReport:
     """Run every check of the module docstring against ``target_config`` (a model, config or dict;
     None checks the head's integrity only). ``tensor_parallel_size``: also check the sharded layout.
-    Raises HeadMismatchError on refusal, ValueError for an unknown ``allow_mismatch`` field."""
+    Raises HeadMismatchError on refusal, ValueError for an unknown ``allow_mismatch`` field.
+    A distilled draft model (``head_type: draft_model``) is checked by ``export.draft_model.check_draft_model``,
+    an MLP speculator (``head_type: mlp_speculator``) by ``export.mlp_speculator.check_mlp_speculator``."""
+    root = resolve_head_dir(head_dir)[0]
+    if (root / METADATA_FILE).is_file() and read_metadata(root).head_type == "draft_model":
+        from draftsmith.export.draft_model import check_draft_model
+
+        if tensor_parallel_size is not None:
+            raise ValueError("tensor_parallel_size applies to EAGLE-3 heads; a draft model shards like any LM")
+        return check_draft_model(root, target_config, tokenizer, name_or_path, allow_mismatch)
+    if (root / METADATA_FILE).is_file() and read_metadata(root).head_type == "mlp_speculator":
+        from draftsmith.export.mlp_speculator import check_mlp_speculator
+
+        if tensor_parallel_size is not None:
+            raise ValueError("tensor_parallel_size: an MLP speculator is served unsharded (vLLM runs it at tp 1)")
+        return check_mlp_speculator(root, target_config, tokenizer, name_or_path, allow_mismatch)
     report, _ = _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch, tensor_parallel_size)
     return report
 

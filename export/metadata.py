@@ -5,10 +5,12 @@
 
 Fields (format_version 1):
 - ``format_version``; ``toolkit`` {name, version, git_sha (None outside a git checkout)};
-- ``head_type`` ("eagle3") and ``head_config`` (``Eagle3Config.to_dict()``: the geometry);
+- ``head_type`` ("eagle3", "draft_model", ...) and ``head_config`` (the geometry: ``Eagle3Config.to_dict()``
+  for EAGLE-3, the draft LM's config fields for a draft model, ``export/draft_model.py``);
 - ``ttt_steps``; ``aux_layer_ids`` with ``aux_layer_convention`` ("hf_hidden_states_index": id i is
   ``output_hidden_states[i]`` of the target, the input of its decoder layer i; vLLM uses the same
-  numbers, SGLang one lower);
+  numbers, SGLang one lower). Required for EAGLE-3 heads; null for drafters that read no hidden
+  states (a draft model);
 - ``draft_vocab_size`` and ``d2t_sha256`` (of the int64 little-endian bytes; None when Vd == V);
 - ``target``: the identity from ``export.identity.target_identity``;
 - ``training``: caller-provided (data manifest, token counts, ...); ``eval``: held-out acceptance
@@ -35,6 +37,7 @@ from draftsmith.heads.eagle3 import AUX_LAYER_CONVENTION
 FORMAT_VERSION = 1
 METADATA_FILE = "draftsmith.json"
 KNOWN_AUX_CONVENTIONS = (AUX_LAYER_CONVENTION,)
+EAGLE3_REQUIRED = ("ttt_steps", "aux_layer_ids")    # optional fields an EAGLE-3 head must record
 
 
 class HeadMismatchError(ValueError):
@@ -51,8 +54,8 @@ class HeadMetadata:
     """The parsed ``draftsmith.json`` (see module docstring for each field)."""
     head_type: str
     head_config: dict
-    ttt_steps: int
-    aux_layer_ids: list[int]
+    ttt_steps: int | None = field(default=None, kw_only=True)          # required for eagle3 (from_dict)
+    aux_layer_ids: list[int] | None = field(default=None, kw_only=True)   # required for eagle3 (from_dict)
     draft_vocab_size: int
     target: dict
     weights: dict[str, str]
@@ -87,6 +90,8 @@ class HeadMetadata:
                                     f"format_version {version}. Fix: upgrade draftsmith, or re-export the head.")
         required = {f.name for f in dataclasses.fields(cls)
                     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+        if d.get("head_type", "eagle3") == "eagle3":
+            required |= set(EAGLE3_REQUIRED)
         missing = sorted(required - set(d))
         if missing:
             raise HeadMismatchError(missing[0], f"{source}: missing key(s) {', '.join(missing)}. "

@@ -19,7 +19,9 @@ Startup:
      mlp_speculator: ``export.mlp_speculator.load_mlp_speculator`` checks it the same way; k must not exceed
      its n_predict stages (as vLLM refuses);
      draft_model: the draft is loaded once (``models.load_causal_lm``) and must share the target's
-     tokenizer (``check_same_tokenizer``) and vocabulary size;
+     tokenizer (``check_same_tokenizer``) and vocabulary size; a draftsmith export (a directory with
+     draftsmith.json) must also record this target (``export.draft_model.check_draft_model``,
+     ``HeadMismatchError`` naming the field; ``allow_mismatch`` applies);
   3. per request: a fresh proposer around the loaded head / draft (proposers hold per-sequence state).
 
 Requests are served one at a time: the runtime's unit is one sequence (batch size 1), so ``generate``
@@ -292,7 +294,8 @@ class Engine:
         tokenizer: the target's tokenizer (decoding, chat template, stop strings).
         speculative_config: a ``SpeculativeConfig``, its dict or JSON string, or None (plain decoding).
         model_name: the name clients send as ``model`` (``/v1/models``).
-        allow_mismatch: EAGLE-3 identity fields to override (as ``load_eagle3``; CLI ``--allow-mismatch``).
+        allow_mismatch: target identity fields a checked head / exported draft may differ in (as
+            ``load_eagle3``; CLI ``--allow-mismatch``).
         max_model_len: longest prompt + completion served, in tokens (default and upper bound: the target's
             max_position_embeddings; as vLLM's ``--max-model-len``).
 
@@ -329,6 +332,10 @@ class Engine:
         elif self.spec is not None and self.spec.method == "draft_model":
             from draftsmith.models import load_causal_lm
 
+            if (Path(self.spec.model) / HEAD_METADATA_FILE).is_file():     # exported by draftsmith: its target
+                from draftsmith.export.draft_model import check_draft_model
+
+                check_draft_model(self.spec.model, model, tokenizer, allow_mismatch=allow_mismatch)
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             draft, draft_tokenizer = load_causal_lm(self.spec.model, dtype=dtype)
             check_same_tokenizer(tokenizer, draft_tokenizer)

@@ -1,0 +1,185 @@
+"""Export, check and load a distilled draft model: a normal HF model directory that describes itself.
+
+    ident = target_identity(target, tokenizer, "reference")
+    export_draft_model(draft, tokenizer, "runs/reference-draft-model/head", ident, training={...})
+    report = check_draft_model("runs/reference-draft-model/head", target, tokenizer)    # `draftsmith check`
+    draft, draft_tokenizer, meta = load_draft_model("runs/reference-draft-model/head", target, tokenizer)
+
+Layout of ``out_dir`` (written to a temp directory beside it, fsynced, then renamed into place, as
+``export/writer.py`` does for EAGLE-3 heads):
+    config.json, generation_config.json, model.safetensors   ``save_pretrained`` (safetensors only)
+    tokenizer.json, tokenizer_config.json, chat template       ``tokenizer.save_pretrained``: the TARGET's
+    draftsmith.json   ``head_type: "draft_model"``; ``head_config`` = the draft's geometry
+                      (:func:`draft_head_config`); ``draft_vocab_size`` = V; ``ttt_steps`` and
+                      ``aux_layer_ids`` null (a draft model reads no target hidden states); the target's
+                      identity; training; eval; sha256 of every weight file
+    README.md         model card (``export/card.py``)
+
+vLLM serves the directory as ``--speculative-config '{"method": "draft_model", "model": DIR, ...}'``:
+it loads it as an ordinary causal LM (config.json + safetensors) and needs the target's vocabulary,
+which the export checks. draftsmith's runtime (``inference.engine``) also reads draftsmith.json and
+refuses a target other than the one recorded (:func:`check_draft_model`); a plain HF draft directory
+without draftsmith.json is still served, checked by its tokenizer only.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from draftsmith.export.check import OVERRIDABLE_FIELDS, CheckReport, compare_target_identity
+from draftsmith.export.identity import config_dict, file_sha256, target_identity
+from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_metadata
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["HEAD_TYPE", "draft_head_config", "export_draft_model", "check_draft_model", "load_draft_model",
+           "reexport_draft_model"]
+
+HEAD_TYPE = "draft_model"
+#: config fields recorded as the draft's geometry in draftsmith.json ``head_config``
+GEOMETRY_FIELDS = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "intermediate_size",
+                   "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+                   "max_position_embeddings")
+
+
+def draft_head_config(model) -> dict:
+    """The draft LM's geometry (``GEOMETRY_FIELDS`` of its config) plus ``num_parameters``."""
+    cfg = config_dict(model)
+    out = {k: cfg.get(k) for k in GEOMETRY_FIELDS}
+    out["architectures"] = list(out["architectures"] or [type(model).__name__])
+    out["num_parameters"] = int(sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()))
+    return out
+
+
+def _vocab_rows(model) -> int:
+    return int(model.get_output_embeddings().weight.shape[0])
+
+
+def export_draft_model(model, tokenizer, out_dir: str | Path, target_identity: dict, training: dict | None = None,
+                       eval: dict | None = None) -> Path:
+    """Write ``model`` (a transformers causal LM) and ``tokenizer`` (the target's) to ``out_dir`` as
+    described in the module docstring; returns out_dir.
+
+    Raises:
+        ValueError: the draft's vocabulary is not the recorded target's (``target_identity["vocab_size"]``).
+        FileExistsError: ``out_dir`` is a non-empty directory that is not an exported head.
+    """
+    from draftsmith.export.card import write_model_card
+    from draftsmith.export.writer import _fsync_tree, _install
+
+    out_dir = Path(out_dir)
+    v, want = _vocab_rows(model), target_identity.get("vocab_size")
+    if want is not None and v != int(want):
+        raise ValueError(f"export: the draft's vocabulary has {v} tokens, the target's {want}; a draft model must "
+                         "predict over the target's vocabulary")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        pickles = sorted(p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
+        if pickles:
+            raise RuntimeError(f"export: save_pretrained wrote pickle file(s) {pickles}; draftsmith ships "
+                               "safetensors only")
+        weights = {p.name: file_sha256(p) for p in sorted(tmp.glob("*.safetensors"))}
+        if not weights:
+            raise RuntimeError(f"export: save_pretrained wrote no safetensors file into {tmp}")
+        meta = HeadMetadata(head_type=HEAD_TYPE, head_config=draft_head_config(model), draft_vocab_size=v,
+                            target=dict(target_identity), training=dict(training or {}), eval=dict(eval or {}),
+                            weights=weights)
+        write_metadata(tmp, meta)
+        write_model_card(tmp)
+        _fsync_tree(tmp)
+        _install(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("exported draft model to %s", out_dir)
+    return out_dir
+
+
+def check_draft_model(model_dir: str | Path, target_config: Any = None, tokenizer: Any = None,
+                      name_or_path: str | None = None, allow_mismatch=()) -> CheckReport:
+    """Check an exported draft-model directory, and its fit to a target when one is given.
+
+    Refuses (``HeadMismatchError`` naming the field, both values and the fix): a head_type other than
+    draft_model; a weight file listed in draftsmith.json missing or with another sha256; no config.json,
+    or one whose vocab_size differs from the recorded draft vocab; with ``target_config`` (a model,
+    config or dict): the target identity fields of ``export.check.OVERRIDABLE_FIELDS`` (overridable by
+    name through ``allow_mismatch``, shared with EAGLE-3 heads: ``compare_target_identity``) and a
+    target vocabulary other than the draft's (never overridable). Returns the ``CheckReport``.
+
+    Raises ValueError for an unknown ``allow_mismatch`` field."""
+    import json
+
+    model_dir = Path(model_dir)
+    where = str(model_dir)
+    allow_mismatch = tuple(allow_mismatch)
+    unknown = sorted(set(allow_mismatch) - set(OVERRIDABLE_FIELDS))
+    if unknown:
+        raise ValueError(f"allow_mismatch: unknown field(s) {unknown}; fields that can be overridden: "
+                         f"{', '.join(OVERRIDABLE_FIELDS)}")
+    meta = read_metadata(model_dir)
+    if meta.head_type != HEAD_TYPE:
+        raise HeadMismatchError("head_type", f"{where}: head_type is {meta.head_type!r}, not {HEAD_TYPE!r}. Fix: "
+                                f"serve it with method {meta.head_type!r}.")
+    if not meta.weights:
+        raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no weight file. Fix: re-export.")
+    for rel, want in sorted(meta.weights.items()):
+        path = model_dir / rel
+        if not path.is_file():
+            raise HeadMismatchError("weights", f"{where}: weights: file {rel} is missing. Fix: re-export or "
+                                    "re-download the directory.")
+        got = file_sha256(path)
+        if got != want:
+            raise HeadMismatchError("weights", f"{where}: weights: sha256 of {rel} is {got}, draftsmith.json records "
+                                    f"{want}: the file is corrupted or was modified after export. Fix: re-export "
+                                    "or re-download the directory.")
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise HeadMismatchError("config", f"{where}: config: config.json cannot be read ({e}); vLLM and "
+                                "transformers load the draft through it. Fix: re-export.") from e
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    if text.get("vocab_size") != meta.draft_vocab_size:
+        raise HeadMismatchError("draft_vocab_size", f"{where}: draft_vocab_size: config.json has vocab_size "
+                                f"{text.get('vocab_size')}, draftsmith.json records {meta.draft_vocab_size}. Fix: "
+                                "re-export; never edit an exported config by hand.")
+    overridden, warnings = {}, []
+    actual = target_identity(target_config, tokenizer, name_or_path) if target_config is not None else None
+    if actual is None:
+        warnings.append("no target given: only the draft's own integrity was checked")
+        logger.warning("%s: %s", where, warnings[-1])
+    else:
+        overridden, warnings = compare_target_identity(meta.target, actual, allow_mismatch, where)
+        if actual.get("vocab_size") != meta.draft_vocab_size:
+            raise HeadMismatchError("vocab_size", f"{where}: vocab_size: the draft predicts over "
+                                    f"{meta.draft_vocab_size} tokens, the target has {actual.get('vocab_size')}; a "
+                                    "draft model needs the target's vocabulary. Fix: distil a draft for this target.")
+    return CheckReport(model_dir, meta, list(overridden), warnings, checked_target=actual is not None,
+                       override_values=overridden, allow_mismatch=allow_mismatch)
+
+
+def load_draft_model(model_dir: str | Path, target_model: Any = None, tokenizer: Any = None, allow_mismatch=(),
+                     dtype: str = "float32"):
+    """Check (as :func:`check_draft_model`) then load: returns ``(model, tokenizer, HeadMetadata)``, the
+    model in eval mode with frozen parameters. The files are read again after hashing (no lock against
+    a concurrent writer)."""
+    from draftsmith.models import load_causal_lm
+
+    report = check_draft_model(model_dir, target_model, tokenizer, None, allow_mismatch)
+    model, draft_tokenizer = load_causal_lm(str(model_dir), dtype=dtype)
+    return model, draft_tokenizer, report.metadata
+
+
+def reexport_draft_model(model_dir: str | Path, out_dir: str | Path) -> Path:
+    """Export an exported draft model again elsewhere, verified first (weights as recorded), its metadata
+    (target identity, training, eval) carried over; returns out_dir."""
+    model_dir, out_dir = Path(model_dir), Path(out_dir)
+    if model_dir.resolve() == out_dir.resolve():
+        raise ValueError(f"re-export of {model_dir} onto itself; choose another --out")
+    model, tokenizer, meta = load_draft_model(model_dir)
+    return export_draft_model(model, tokenizer, out_dir, meta.target, training=meta.training, eval=meta.eval)
