@@ -25,6 +25,7 @@ from draftsmith.inference.eval import EvalConfig, evaluate, format_table, plot_a
 from draftsmith.models import TargetConfig, load_causal_lm
 from draftsmith.train.draft_model import DraftModelConfig
 from draftsmith.train.eagle3 import HeadConfig, TrainConfig, train_eagle3
+from draftsmith.train.mlp_speculator import MLPSpeculatorHeadConfig
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +49,8 @@ class CaptureConfig:
 @dataclass
 class Recipe:
     """One job: ``method`` picks the drafter trained (its section: ``head`` for eagle3, ``draft_model``
-    for a distilled draft LM); every section is a typed config; unknown keys are rejected when loading."""
+    for a distilled draft LM, ``mlp_speculator`` for MLP speculator stages); every section is a typed
+    config; unknown keys are rejected when loading."""
 
     name: str = "reference-eagle3"
     out_dir: Path = Path("runs")
@@ -57,6 +59,7 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     head: HeadConfig = field(default_factory=HeadConfig)
     draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)   #: method draft_model
+    mlp_speculator: MLPSpeculatorHeadConfig = field(default_factory=MLPSpeculatorHeadConfig)   #: method mlp_speculator
     train: TrainConfig = field(default_factory=TrainConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
@@ -157,8 +160,26 @@ def _train_draft_model(recipe: Recipe, target, tokenizer, data: PreparedData, tr
     return export_draft_model(result.head, tokenizer, out, identity, training=_training_record(recipe, data, result))
 
 
+def _train_mlp_speculator(recipe: Recipe, target, tokenizer, data: PreparedData, train_data) -> Path:
+    """Train an MLP speculator (``train.mlp_speculator``) and export it (rank 0) to ``RUN/head``
+    (``export.mlp_speculator``: draftsmith + vLLM formats in one directory)."""
+    from draftsmith.export.identity import target_identity
+    from draftsmith.export.mlp_speculator import export_mlp_speculator
+    from draftsmith.train.mlp_speculator import train_mlp_speculator
+
+    result = train_mlp_speculator(target, train_data, recipe.mlp_speculator, recipe.train, recipe.run_dir / "train",
+                                  tokenizer.pad_token_id, run_config=to_dict(recipe), heldout=data.heldout,
+                                  tokenizer=tokenizer)
+    out = recipe.run_dir / "head"
+    if not result.is_main_process:
+        return out
+    identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
+    return export_mlp_speculator(result.head, out, identity, training=_training_record(recipe, data, result),
+                                 formats=tuple(recipe.export.formats))
+
+
 #: recipe ``method`` -> fn(recipe, target, tokenizer, prepared data, train data) -> exported directory
-TRAINERS = {"eagle3": _train_eagle3, "draft_model": _train_draft_model}
+TRAINERS = {"eagle3": _train_eagle3, "draft_model": _train_draft_model, "mlp_speculator": _train_mlp_speculator}
 
 
 def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
@@ -183,6 +204,10 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
             from draftsmith.export.draft_model import reexport_draft_model
 
             return reexport_draft_model(run_dir, out)
+        if read_metadata(run_dir).head_type == "mlp_speculator":
+            from draftsmith.export.mlp_speculator import reexport_mlp_speculator
+
+            return reexport_mlp_speculator(run_dir, out, formats)
         return reexport_head(run_dir, out, formats)
     ckpt = Path(run_dir) / "train" / "checkpoint"
     if not (ckpt / "state.json").exists():
@@ -193,6 +218,8 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
     data = load_prepared(Path(run_dir) / "data")
     if recipe.method == "draft_model":
         return _export_draft_model_run(recipe, state, ckpt, target, tokenizer, data, out)
+    if recipe.method == "mlp_speculator":
+        return _export_mlp_speculator_run(recipe, state, ckpt, target, tokenizer, data, out, formats)
     saved_map = checkpoint_vocab_map(ckpt)                # the map the weights were trained on, when saved
     head = build_head(target, saved_map if saved_map is not None else data.vocab_map, recipe.head)
     load_checkpoint(ckpt, head)
@@ -219,6 +246,25 @@ def _export_draft_model_run(recipe: Recipe, state: dict, ckpt: Path, target, tok
     training = {"recipe": state["extra"]["config"], "steps": state["step"],
                 "data_manifest": {k: v for k, v in data.manifest.items() if k != "key"}}
     return export_draft_model(draft.eval(), tokenizer, out, identity, training=training)
+
+
+def _export_mlp_speculator_run(recipe: Recipe, state: dict, ckpt: Path, target, tokenizer, data: PreparedData,
+                               out: Path, formats: list[str]) -> Path:
+    """``export_run`` of an MLP-speculator run: the checkpoint's weights into the recipe's stages, exported
+    (with the run's eval record when it measured these weights)."""
+    from draftsmith.export.identity import target_identity
+    from draftsmith.export.mlp_speculator import export_mlp_speculator
+    from draftsmith.train.checkpoint import load_checkpoint
+    from draftsmith.train.mlp_speculator import build_mlp_speculator
+
+    head = build_mlp_speculator(target, recipe.mlp_speculator, warm_start=False)
+    load_checkpoint(ckpt, head)
+    identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
+    training = {"recipe": state["extra"]["config"], "steps": state["step"],
+                "data_manifest": {k: v for k, v in data.manifest.items() if k != "key"}}
+    out = export_mlp_speculator(head.eval(), out, identity, training=training, formats=tuple(formats))
+    _attach_eval(out, ckpt.parent.parent / "eval")
+    return out
 
 
 def eval_summary(report: dict) -> dict:
@@ -265,9 +311,9 @@ def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head
     greedy = GenerationConfig(temperature=0.0)
     for method in methods:
         spec = {"method": method, "num_speculative_tokens": cfg.k}
-        if method == "eagle3":
+        if method in ("eagle3", "mlp_speculator"):
             if head_dir is None:
-                raise ValueError("method eagle3 needs a head directory (--head DIR)")
+                raise ValueError(f"method {method} needs a head directory (--head DIR)")
             spec["model"] = str(head_dir)
         elif method == "draft_model":
             spec["model"] = cfg.draft_model
@@ -282,7 +328,7 @@ def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head
 def run_eval(recipe: Recipe, head_dir: Path | None, target=None, tokenizer=None, allow_mismatch=()) -> dict:
     """Stage 5: acceptance and speed of every method on the held-out tasks; writes report/table/plot.
 
-    ``allow_mismatch``: target-identity fields the EAGLE-3 head may differ in (``check_head``); the
+    ``allow_mismatch``: target-identity fields the head (EAGLE-3, MLP speculator) may differ in (``check_head``); the
     check, with every override and both of its values, is kept in the report as ``head_check``."""
     from draftsmith import reference
     from draftsmith.export.check import check_head
@@ -291,7 +337,7 @@ def run_eval(recipe: Recipe, head_dir: Path | None, target=None, tokenizer=None,
         target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
     cfg = recipe.eval
     head_check = None
-    if head_dir is not None and "eagle3" in cfg.methods:
+    if head_dir is not None and ("eagle3" in cfg.methods or "mlp_speculator" in cfg.methods):
         head_check = check_head(head_dir, target, tokenizer, recipe.target.name_or_path, allow_mismatch=allow_mismatch)
     factories, aux = build_proposers(cfg.methods, cfg, target, tokenizer, head_dir, allow_mismatch=allow_mismatch)
     tasks = reference.tasks(cfg.tasks)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.export.check import OVERRIDABLE_FIELDS, WEIGHTS_FILE, CheckReport, _compare_target
+from draftsmith.export.check import OVERRIDABLE_FIELDS, WEIGHTS_FILE, CheckReport, compare_target_identity
 from draftsmith.export.identity import file_sha256, sha256_bytes, target_identity
 from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_json_atomic, write_metadata
 from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, expected_weight_shapes
@@ -51,7 +51,7 @@ HEAD_TYPE = "mlp_speculator"
 MLP_FORMATS = ("draftsmith", "vllm")
 
 __all__ = ["HEAD_TYPE", "MLP_FORMATS", "export_mlp_speculator", "check_mlp_speculator", "load_mlp_speculator",
-           "mlp_formats"]
+           "reexport_mlp_speculator", "mlp_formats"]
 
 
 def mlp_formats(formats) -> tuple[str, ...]:
@@ -109,8 +109,8 @@ def export_mlp_speculator(head: MLPSpeculator, out_dir: str | Path, target_ident
         if MLPSpeculatorConfig.from_vllm_config(vllm_cfg) != hc:      # what vLLM would build
             raise RuntimeError(f"export: config.json would be read by vLLM as another head: {vllm_cfg}")
         write_json_atomic(tmp / "config.json", vllm_cfg)
-        meta = HeadMetadata(head_type=HEAD_TYPE, head_config=hc.to_dict(), ttt_steps=hc.n_predict,
-                            aux_layer_ids=[], draft_vocab_size=hc.vocab_size, target=dict(target_identity),
+        meta = HeadMetadata(head_type=HEAD_TYPE, head_config=hc.to_dict(), draft_vocab_size=hc.vocab_size,
+                            target=dict(target_identity),
                             training=dict(training or {}), eval=dict(eval or {}),
                             weights={WEIGHTS_FILE: file_sha256(tmp / WEIGHTS_FILE)})
         write_metadata(tmp, meta)
@@ -200,7 +200,7 @@ def _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch):
         warnings.append("no target given: only the head's own integrity was checked")
         logger.warning("%s: %s", where, warnings[-1])
     else:
-        overridden, warnings = _compare_target(meta.target, actual, allow_mismatch, where)
+        overridden, warnings = compare_target_identity(meta.target, actual, allow_mismatch, where)
         _fits_target(hc, actual.get("hidden_size"), actual.get("vocab_size"), where)
     report = CheckReport(head_dir, meta, list(overridden), warnings, checked_target=actual is not None,
                          override_values=overridden, allow_mismatch=allow_mismatch)
@@ -226,3 +226,16 @@ def load_mlp_speculator(head_dir: str | Path, target_model: Any = None, tokenize
     head.load_export_state_dict(sd)
     return head.eval(), report.metadata
 
+
+
+def reexport_mlp_speculator(head_dir: str | Path, out_dir: str | Path, formats=("all",)) -> Path:
+    """Export an already exported MLP speculator again elsewhere, unchanged: the source is verified
+    (``load_mlp_speculator`` without a target: integrity only), its target identity, training and eval
+    records are carried over and the weights re-serialised byte for byte. Returns ``out_dir``.
+
+    Raises ValueError when ``out_dir`` is ``head_dir``; HeadMismatchError for a broken source."""
+    head_dir, out_dir = Path(head_dir), Path(out_dir)
+    if head_dir.resolve() == out_dir.resolve():
+        raise ValueError(f"re-export of {head_dir} onto itself; choose another --out")
+    head, meta = load_mlp_speculator(head_dir)
+    return export_mlp_speculator(head, out_dir, meta.target, training=meta.training, formats=formats, eval=meta.eval)

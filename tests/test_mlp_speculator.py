@@ -335,3 +335,47 @@ def test_greedy_lossless_on_the_reference_target_over_heldout_prompts():
             assert out.tokens == expected, f"k={k}: speculative greedy output differs from plain greedy"
             drafted += out.stats.num_drafts
         assert drafted > 0
+
+
+# ----------------------------------------------------------------------------------- the pipeline
+
+def test_pipeline_trains_exports_checks_and_reexports(tiny_llama, word_tokenizer, tmp_path):
+    """`draftsmith train` with method mlp_speculator (offline capture: the stages read the shards' final
+    hidden states; in-loop τ with the proposer), `draftsmith check` dispatches on head_type, `draftsmith
+    export RUN_DIR` of the checkpoint and of the exported directory give the same weights, and eval's
+    drafter table serves the head."""
+    from draftsmith.config import load_config
+    from draftsmith.export.check import check_head
+    from draftsmith.export.metadata import read_metadata
+    from draftsmith.inference.eval import EvalConfig
+    from draftsmith.pipeline import Recipe, build_proposers, export_run, run_train
+
+    words = [f"w{i}" for i in range(3, 96)]
+    rng = __import__("random").Random(0)
+    convs = [{"messages": [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 6)))},
+                           {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(4, 12)))}]}
+             for _ in range(14)]
+    source = tmp_path / "conversations.jsonl"
+    source.write_text("".join(json.dumps(c) + "\n" for c in convs))
+    target, tok = tiny_llama(seed=3), word_tokenizer()
+    target.save_pretrained(tmp_path / "target")                 # export_run reloads the recipe's target by name
+    tok.save_pretrained(tmp_path / "target")
+    recipe = load_config(Recipe, None, [
+        f"out_dir={tmp_path / 'runs'}", "name=mlp", "method=mlp_speculator", f"data.source={source}",
+        f"target.name_or_path={tmp_path / 'target'}", "data.num_conversations=11", "data.heldout_conversations=3",
+        "data.regenerate=false", "data.max_length=48", "mlp_speculator.n_predict=3", "train.mode=offline",
+        "train.max_steps=3", "train.batch_size=4", "train.warmup_steps=1", "train.log_every=1",
+        "train.acceptance.every=3", "train.acceptance.prompts=2", "train.acceptance.k=3",
+        "train.acceptance.max_new_tokens=6", "head.aux_layer_ids=[1, 2, 3]", "capture.shard_size=5",
+        "capture.batch_size=2", "export.formats=[all]"])
+    out = run_train(recipe)
+    meta = read_metadata(out)
+    assert meta.head_type == "mlp_speculator" and meta.aux_layer_ids is None and meta.head_config["n_predict"] == 3
+    assert meta.training["steps"] == 3 and meta.training["final"]["tau"] >= 1.0
+    assert check_head(out, target, tok).checked_target
+    from_checkpoint = export_run(recipe.run_dir, tmp_path / "again", ["draftsmith"])
+    assert read_metadata(from_checkpoint).weights == meta.weights
+    copied = export_run(out, tmp_path / "copy", ["all"])
+    assert read_metadata(copied).weights == meta.weights and read_metadata(copied).target == meta.target
+    factories, aux = build_proposers(["mlp_speculator"], EvalConfig(k=3), target, tok, out)
+    assert aux is None and factories["mlp_speculator"]().needs_final_hidden
