@@ -296,19 +296,16 @@ def _attach_eval(head_dir: Path, eval_dir: Path) -> None:
     write_model_card(head_dir, report, eval_dir / "acceptance.png")
 
 
-def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head_dir: Path | None,
-                    allow_mismatch=()):
-    """Factories of fresh greedy proposers by method name, and the aux layer ids the target must expose.
+def drafter_specs(methods: list[str], cfg: EvalConfig, head_dir: Path | None) -> dict[str, dict]:
+    """Row label -> speculative config (``inference.engine.SpeculativeConfig`` keys) of every drafter to
+    evaluate: one per name in ``methods`` (``eagle3`` / ``mlp_speculator`` read ``head_dir``,
+    ``draft_model`` reads ``cfg.draft_model``, ``ngram`` the prompt-lookup bounds), then each labelled
+    entry of ``cfg.drafters`` (k defaults to ``cfg.k``).
 
-    Each method is set up by ``inference.engine.Engine`` exactly as ``draftsmith serve`` does: the
-    EAGLE-3 head is loaded once through ``load_eagle3`` (a head whose metadata does not match
-    ``target`` is refused unless the field is in ``allow_mismatch``) and the draft model must share
-    the target's tokenizer."""
-    from draftsmith.inference.engine import Engine
-    from draftsmith.inference.generate import GenerationConfig
-
-    factories, aux = {}, None
-    greedy = GenerationConfig(temperature=0.0)
+    Raises:
+        ValueError: a head method without ``head_dir``; a ``cfg.drafters`` label that repeats a method name
+            or is ``plain``."""
+    specs: dict[str, dict] = {}
     for method in methods:
         spec = {"method": method, "num_speculative_tokens": cfg.k}
         if method in ("eagle3", "mlp_speculator"):
@@ -319,9 +316,35 @@ def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head
             spec["model"] = cfg.draft_model
         elif method == "ngram":
             spec.update(prompt_lookup_min=cfg.prompt_lookup_min, prompt_lookup_max=cfg.prompt_lookup_max)
+        specs[method] = spec
+    for label, spec in cfg.drafters.items():
+        if label in specs or label == "plain":
+            raise ValueError(f"eval.drafters label {label!r} is already a row of the table; name it differently")
+        specs[label] = {"num_speculative_tokens": cfg.k, **spec}
+    return specs
+
+
+def build_proposers(methods: list[str], cfg: EvalConfig, target, tokenizer, head_dir: Path | None,
+                    allow_mismatch=()):
+    """Factories of fresh greedy proposers by row label (``drafter_specs``), and the aux layer ids the
+    target must expose.
+
+    Each drafter is set up by ``inference.engine.Engine`` exactly as ``draftsmith serve`` does: a head
+    is loaded once and its metadata checked against ``target`` (a mismatch is refused unless the field is
+    in ``allow_mismatch``); a draft model must share the target's tokenizer."""
+    from draftsmith.inference.engine import Engine
+    from draftsmith.inference.generate import GenerationConfig
+
+    factories, aux = {}, None
+    greedy = GenerationConfig(temperature=0.0)
+    for label, spec in drafter_specs(methods, cfg, head_dir).items():
         engine = Engine(target, tokenizer, spec, allow_mismatch=allow_mismatch)
-        aux = engine.target.aux_layer_ids or aux
-        factories[method] = lambda engine=engine: engine.new_proposer(greedy)
+        if engine.target.aux_layer_ids is not None:
+            if aux is not None and tuple(aux) != tuple(engine.target.aux_layer_ids):
+                raise ValueError(f"drafter {label!r} reads aux layers {engine.target.aux_layer_ids}, another one "
+                                 f"{aux}; evaluate EAGLE-3 heads of different aux layers in separate runs")
+            aux = engine.target.aux_layer_ids
+        factories[label] = lambda engine=engine: engine.new_proposer(greedy)
     return factories, aux
 
 
