@@ -14,7 +14,7 @@ Layout of the directory (written into a temp directory beside it, fsynced, renam
                         top_k_tokens_per_head, n_candidates, tie_weights, scale_input, torch_dtype)
     draftsmith.json     ``head_type: mlp_speculator``, the head config, the target's identity, training,
                         eval, sha256 of the weight file (``export.metadata``)
-    README.md           the model card (``export.card``)
+    README.md           the model card (``export.card``), written right after the directory is in place
 Formats: ``draftsmith`` and ``vllm`` are this one directory (``all`` = both); SGLang and the speculators
 layout have no MLP speculator and are refused. vLLM reads it with
 ``--speculative-config '{"method": "mlp_speculator", "model": DIR}'`` in engines that still serve the
@@ -116,12 +116,12 @@ def export_mlp_speculator(head: MLPSpeculator, out_dir: str | Path, target_ident
                             training=dict(training or {}), eval=dict(eval or {}),
                             weights={WEIGHTS_FILE: file_sha256(tmp / WEIGHTS_FILE)})
         write_metadata(tmp, meta)
-        write_model_card(tmp)
         _fsync_tree(tmp)
         _install(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    write_model_card(out_dir)          # after the rename: the card names the directory's final path (atomic itself)
     logger.info("exported MLP speculator (%d stages) to %s (%s)", hc.n_predict, out_dir, ", ".join(formats))
     return out_dir
 

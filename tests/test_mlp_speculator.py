@@ -269,7 +269,8 @@ def test_export_reload_is_bit_identical(trained, tmp_path, word_tokenizer):
     assert len(cfg["top_k_tokens_per_head"]) == 5
     meta = json.loads((out / "draftsmith.json").read_text())
     assert meta["head_type"] == "mlp_speculator" and meta["training"] == {"steps": 60}
-    assert "MLP speculator" in (out / "README.md").read_text()
+    card = (out / "README.md").read_text()
+    assert "MLP speculator" in card and f'"model": "{out}"' in card and ".tmp" not in card
     loaded, _ = load_mlp_speculator(out, target_model=target, tokenizer=tok)
     sd, back = head.export_state_dict(), loaded.export_state_dict()
     assert sorted(sd) == sorted(back) and "emb.4.weight" in sd and "ln.0.bias" in sd
