@@ -104,19 +104,22 @@ def refresh_verified_section(head_dir: str | Path) -> Path | None:
     return path
 
 
-def write_model_card(head_dir: str | Path, report: dict | None = None, plot: str | Path | None = None) -> Path:
+def write_model_card(head_dir: str | Path, report: dict | None = None, plot: str | Path | None = None, *,
+                     serve_dir: str | Path | None = None) -> Path:
     """Write ``head_dir/README.md`` (and copy ``plot`` beside it as acceptance.png); returns the card's path.
 
     ``report``: an ``inference.eval`` report (the table then has tokens/s and speedup); without one the
     held-out results recorded in draftsmith.json ``eval`` are used. A plot already in the directory is
-    kept and linked. Raises FileNotFoundError when ``head_dir`` is not a head directory."""
+    kept and linked. ``serve_dir``: the directory a draft model's serve commands name (default
+    ``head_dir``; an export writes its card in a temp directory before renaming it into place).
+    Raises FileNotFoundError when ``head_dir`` is not a head directory."""
     head_dir = Path(head_dir)
     meta = read_metadata(head_dir)
     k, rows = _rows_from_report(report) if report else _rows_from_metadata(meta.eval or {})
     if meta.head_type == "mlp_speculator":
         lines = _mlp_speculator_lines(head_dir, meta, k)
     elif meta.head_type == "draft_model":
-        lines = _draft_model_lines(head_dir, meta, k)
+        lines = _draft_model_lines(Path(serve_dir or head_dir), meta, k)
     else:
         lines = _eagle3_lines(head_dir, meta, k)
     if rows:

@@ -91,7 +91,7 @@ def export_draft_model(model, tokenizer, out_dir: str | Path, target_identity: d
                             target=dict(target_identity), training=dict(training or {}), eval=dict(eval or {}),
                             weights=weights)
         write_metadata(tmp, meta)
-        write_model_card(tmp)
+        write_model_card(tmp, serve_dir=out_dir)
         _fsync_tree(tmp)
         _install(tmp, out_dir)
     except BaseException:

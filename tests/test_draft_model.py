@@ -246,7 +246,8 @@ def test_pipeline_trains_exports_and_reexports_a_draft_model(tiny_llama, chatml,
     assert meta.head_type == "draft_model" and meta.aux_layer_ids is None and meta.draft_vocab_size == len(chatml)
     assert meta.training["steps"] == 3 and meta.training["final"]["tau"] >= 1.0
     assert check_draft_model(out, target, chatml).checked_target
-    assert (out / "README.md").read_text().startswith("---") and (out / "tokenizer.json").is_file()
+    card = (out / "README.md").read_text()
+    assert card.startswith("---") and f'"model": "{out}"' in card and (out / "tokenizer.json").is_file()
     from_checkpoint = export_run(recipe.run_dir, tmp_path / "again", ["draftsmith"])     # RUN_DIR: the checkpoint
     assert read_metadata(from_checkpoint).weights == meta.weights
     copied = export_run(out, tmp_path / "copy", ["draftsmith"])          # an exported directory: re-exported

@@ -33,6 +33,7 @@ micro-batches on one process.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import dataclass
@@ -117,6 +118,32 @@ def check_launch(accelerator, strategy: str = "auto", num_processes: int | None 
 
 
 # --------------------------------------------------------------------------------------------- wrapping
+
+
+@contextlib.contextmanager
+def whole_parameters():
+    """Build transformers models with whole (unpartitioned) parameters, even under ZeRO-3.
+
+    Measured (accelerate 1.x, transformers 5.24): accelerate registers transformers' ``HfDeepSpeedConfig``
+    whenever a ZeRO-3 plugin exists, whatever ``zero3_init_flag`` says, and transformers then partitions
+    every model built from a config or loaded (``deepspeed.zero.Init``): a draft LM built inside the
+    trainer had 0-element parameters on each rank. The trainer hands the whole drafter to
+    ``accelerate.prepare``, which partitions it once, as for an EAGLE-3 head."""
+    try:
+        from transformers.integrations import deepspeed as hf_deepspeed
+    except ImportError:                       # no transformers DeepSpeed integration: nothing to undo
+        yield
+        return
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref      # kept alive by accelerate's plugin (``dschf``)
+    config = ref() if ref is not None else None
+    if config is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(config)
 
 
 def configure_deepspeed(accelerator, micro_batch_size: int, grad_accum: int, grad_clip: float) -> None:

@@ -246,7 +246,8 @@ class DrafterTrainer:
             dist_utils.shard_target_fsdp2(target, acc.device, acc.num_processes)
         else:
             target.to(acc.device)
-        drafter = spec.build(target)
+        with dist_utils.whole_parameters():       # ZeRO-3 partitions it in prepare, not at construction
+            drafter = spec.build(target)
         if resume is not None:
             restore_params(drafter, resume.params, f"checkpoint {self.ckpt}")
         pad_id = 0 if pad_id is None else pad_id      # e.g. Llama-3.1 has no pad token; padding is never read
@@ -401,7 +402,7 @@ class DrafterTrainer:
         if self.strategy not in ("fsdp", "zero3"):
             return drafter
         params = dist_utils.full_head_params(self.strategy, self.module, self.raw)
-        with torch.random.fork_rng(devices=[]):        # the copy's throwaway init must not move the RNG
+        with torch.random.fork_rng(devices=[]), dist_utils.whole_parameters():   # throwaway init: RNG untouched
             copy = self.spec.build(self.target, fresh=True)
         restore_params(copy, params, "gathered drafter")
         return copy.to(self.accelerator.device)
