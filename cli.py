@@ -3,7 +3,7 @@
     draftsmith demo                                   # the main job on the reference target
     draftsmith prepare RECIPE [key=value ...]         # conversations + vocab map -> runs/NAME/data
     draftsmith capture RECIPE [key=value ...]         # offline hidden-state shards -> runs/NAME/capture
-    draftsmith train RECIPE [key=value ...]           # prepare, train, export -> runs/NAME/head
+    draftsmith train RECIPE [key=value ...]           # prepare, train, export the drafter -> runs/NAME/head
     draftsmith export RUN_DIR|HEAD --out DIR [--format draftsmith|vllm|sglang|speculators|all ...]
     draftsmith check HEAD --target T [--allow-mismatch FIELD ...] [--tensor-parallel-size N]
     draftsmith push HEAD --repo-id ORG/NAME [--private] [--revision BRANCH] [--dry-run]
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, help_ in (("demo", cmd_demo, "run the main job end to end"),
                             ("prepare", cmd_prepare, "build training conversations and the vocab map"),
                             ("capture", cmd_capture, "capture the target's hidden states to offline shards"),
-                            ("train", cmd_train, "prepare, train and export an EAGLE-3 head")):
+                            ("train", cmd_train, "prepare, train and export the recipe's drafter (its method)")):
         p = sub.add_parser(name, help=help_)
         _add_recipe(p)
         p.set_defaults(fn=fn)
@@ -206,7 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_push)
     p = sub.add_parser("eval", help="acceptance of each method on the held-out tasks")
     p.add_argument("--recipe", default=None)
-    p.add_argument("--head", default=None, help="exported head directory (for method eagle3)")
+    p.add_argument("--head", default=None, help="exported head directory (for methods eagle3 and mlp_speculator)")
     p.add_argument("--target", default=None)
     p.add_argument("--methods", nargs="+", default=None)
     p.add_argument("--drafter", action="append", default=[], metavar="LABEL=JSON",
