@@ -117,7 +117,8 @@ def cmd_eval(args) -> int:
         label, spec = _drafter_arg(item)
         recipe.eval.drafters[label] = spec
     recipe.eval.k = args.k if args.k is not None else recipe.eval.k
-    recipe.eval.prompts_per_task = args.prompts_per_task
+    if args.prompts_per_task is not None or not args.recipe:     # without a recipe: whole tasks
+        recipe.eval.prompts_per_task = args.prompts_per_task
     recipe.eval.max_new_tokens = args.max_new_tokens or recipe.eval.max_new_tokens
     report = run_eval(recipe, Path(args.head) if args.head else None, allow_mismatch=tuple(args.allow_mismatch))
     print(format_table(report))
@@ -215,7 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(repeatable; added to the recipe's eval.drafters)")
     p.add_argument("--tasks", nargs="+", default=None)
     p.add_argument("--k", type=int, default=None)
-    p.add_argument("--prompts-per-task", type=int, default=None, help="default: the whole task")
+    p.add_argument("--prompts-per-task", type=int, default=None,
+                   help="default: the recipe's eval.prompts_per_task (no --recipe: the whole task)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD",
                    help="target fields the head may differ in; logged and written into the eval report")
