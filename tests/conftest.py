@@ -52,6 +52,38 @@ def word_tokenizer():
     return make_word_tokenizer
 
 
+def make_chatml_tokenizer(vocab_size: int = 300):
+    """A small byte-level BPE tokenizer with the reference target's ChatML template and special tokens,
+    trained in memory on two code/chat lines (never downloaded)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from draftsmith.reference.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    bpe = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def add(a, b):\n    return a + b\n", "Hello there, how are you?"] * 20, bpe)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.name_or_path = "tiny-chatml"          # what error messages name the template by
+    return fast
+
+
+@pytest.fixture(scope="module")
+def chatml():
+    """``make_chatml_tokenizer()``: 300 tokens, ChatML template (a fresh one per test module)."""
+    return make_chatml_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer():
+    """Factory fixture: ``chatml_tokenizer(vocab_size=400)`` (see ``make_chatml_tokenizer``)."""
+    return make_chatml_tokenizer
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-vllm", action="store_true", default=False,
                      help="run the opt-in vLLM referee tests (needs .venv-vllm; see bench/vllm_referee.py)")

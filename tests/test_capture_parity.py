@@ -13,7 +13,6 @@ import torch
 from draftsmith.data_pipeline.capture import capture
 from draftsmith.data_pipeline.shards import ShardError, ShardReader, write_shards
 from draftsmith.inference.target import TargetModel
-from draftsmith.reference.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 AUX = (0, 2, 3)          # a 4-layer target: the embedding output, and the inputs of layers 2 and 3
 CONVERSATIONS = [
@@ -26,20 +25,6 @@ CONVERSATIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def chatml():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n", "Hello there, how are you?"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 CASES = [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)]

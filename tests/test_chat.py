@@ -4,23 +4,11 @@ import torch
 
 from draftsmith.data_pipeline.chat import ChatTemplateError, render, supervised_spans
 from draftsmith.data_pipeline.dataset import DatasetError, normalise, render_dataset
-from draftsmith.reference.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 
 @pytest.fixture(scope="module")
-def chatml():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n", "Hello there, how are you?"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+def chatml(chatml_tokenizer):
+    return chatml_tokenizer(vocab_size=400)
 
 
 def supervised_text(tok, r):

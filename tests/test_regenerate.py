@@ -16,25 +16,10 @@ from draftsmith.data_pipeline import regenerate as regen
 from draftsmith.data_pipeline.prepare import DataConfig, prepare
 from draftsmith.data_pipeline.regenerate import (Answer, RuntimeAnswerer, ServerAnswerer, ServerError,
                                                  TransformersAnswerer, answer_seed, make_answerer, regenerate)
-from draftsmith.reference.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 MAX_NEW = 6
 
 
-@pytest.fixture(scope="module")
-def chatml():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n", "Hello there, how are you?"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 @pytest.fixture(scope="module")

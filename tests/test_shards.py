@@ -9,26 +9,11 @@ from draftsmith.data_pipeline.capture import capture
 from draftsmith.data_pipeline.chat import render
 from draftsmith.data_pipeline.shards import SafetensorsStream, ShardError, ShardReader, shard_name, write_shards
 from draftsmith.export.identity import file_sha256, target_identity
-from draftsmith.reference.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 AUX = (0, 1, 2)
 MAX_LENGTH = 40
 
 
-@pytest.fixture(scope="module")
-def chatml():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n", "Hello there, how are you?"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 @pytest.fixture(scope="module")

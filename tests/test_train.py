@@ -130,23 +130,6 @@ def test_length_grouped_batches_cover_the_epoch_once_with_less_padding():
 # --------------------------------------------------------------------------------------- chat data
 
 
-@pytest.fixture(scope="module")
-def chatml():
-    """A small byte-level BPE tokenizer with the reference chat template (built, never downloaded)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from draftsmith.reference.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer_ = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n", "Hello there, how are you?"] * 20, trainer_)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
 
 
 def conversations(n: int, seed: int = 0) -> list[dict]:

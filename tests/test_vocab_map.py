@@ -16,7 +16,6 @@ from safetensors.torch import load_file, save_file
 from draftsmith.data_pipeline.dataset import render_dataset
 from draftsmith.data_pipeline.prepare import DataConfig, load_prepared, prepare
 from draftsmith.heads.vocab import VocabMap, build_vocab_map, count_tokens, validate_vocab_map
-from draftsmith.reference.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
 
 V = 200
 
@@ -77,21 +76,6 @@ def test_target_ids_are_in_range_unique_and_monotone(seed):
         validate_vocab_map(torch.tensor([0, V]), torch.ones(V, dtype=torch.bool))
 
 
-@pytest.fixture(scope="module")
-def chatml():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["def add(a, b):\n    return a + b\n", "Hello there, how are you?"] * 20, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
-    fast.chat_template = CHAT_TEMPLATE
-    fast.name_or_path = "tiny-chatml"
-    return fast
 
 
 CONVERSATIONS = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]}
