@@ -185,6 +185,17 @@ def validate_aux_layer_ids(aux_layer_ids, convention: str, num_hidden_layers: in
                                 f"the target this head was trained for, or retrain with ids in range.")
 
 
+def check_allow_mismatch(allow_mismatch) -> tuple[str, ...]:
+    """``allow_mismatch`` as a tuple, every name one of ``OVERRIDABLE_FIELDS``; ValueError naming the
+    unknown ones and the fields that can be overridden."""
+    allow_mismatch = tuple(allow_mismatch)
+    unknown = sorted(set(allow_mismatch) - set(OVERRIDABLE_FIELDS))
+    if unknown:
+        raise ValueError(f"allow_mismatch: unknown field(s) {unknown}; fields that can be overridden: "
+                         f"{', '.join(OVERRIDABLE_FIELDS)}")
+    return allow_mismatch
+
+
 def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...], where: str
                             ) -> tuple[dict, list[str]]:
     """Step 6 for any drafter that records a target identity (EAGLE-3 heads, MLP speculators, draft
@@ -311,11 +322,7 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
 
     given = Path(head_dir)
     head_dir, sub = resolve_head_dir(given)
-    allow_mismatch = tuple(allow_mismatch)
-    unknown = sorted(set(allow_mismatch) - set(OVERRIDABLE_FIELDS))
-    if unknown:
-        raise ValueError(f"allow_mismatch: unknown field(s) {unknown}; fields that can be overridden: "
-                         f"{', '.join(OVERRIDABLE_FIELDS)}")
+    allow_mismatch = check_allow_mismatch(allow_mismatch)
     meta = read_metadata(head_dir)
     where = str(given)
     # 1. the recorded head is one this runtime implements

@@ -24,12 +24,10 @@ without draftsmith.json is still served, checked by its tokenizer only.
 from __future__ import annotations
 
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
-from draftsmith.export.check import OVERRIDABLE_FIELDS, CheckReport, compare_target_identity
+from draftsmith.export.check import CheckReport, check_allow_mismatch, compare_target_identity
 from draftsmith.export.identity import config_dict, file_sha256, target_identity
 from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_metadata
 
@@ -68,16 +66,14 @@ def export_draft_model(model, tokenizer, out_dir: str | Path, target_identity: d
         FileExistsError: ``out_dir`` is a non-empty directory that is not an exported head.
     """
     from draftsmith.export.card import write_model_card
-    from draftsmith.export.writer import _fsync_tree, _install
+    from draftsmith.export.writer import staged_directory
 
     out_dir = Path(out_dir)
     v, want = _vocab_rows(model), target_identity.get("vocab_size")
     if want is not None and v != int(want):
         raise ValueError(f"export: the draft's vocabulary has {v} tokens, the target's {want}; a draft model must "
                          "predict over the target's vocabulary")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
+    with staged_directory(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         pickles = sorted(p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
@@ -92,11 +88,6 @@ def export_draft_model(model, tokenizer, out_dir: str | Path, target_identity: d
                             weights=weights)
         write_metadata(tmp, meta)
         write_model_card(tmp, serve_dir=out_dir)
-        _fsync_tree(tmp)
-        _install(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("exported draft model to %s", out_dir)
     return out_dir
 
@@ -117,11 +108,7 @@ def check_draft_model(model_dir: str | Path, target_config: Any = None, tokenize
 
     model_dir = Path(model_dir)
     where = str(model_dir)
-    allow_mismatch = tuple(allow_mismatch)
-    unknown = sorted(set(allow_mismatch) - set(OVERRIDABLE_FIELDS))
-    if unknown:
-        raise ValueError(f"allow_mismatch: unknown field(s) {unknown}; fields that can be overridden: "
-                         f"{', '.join(OVERRIDABLE_FIELDS)}")
+    allow_mismatch = check_allow_mismatch(allow_mismatch)
     meta = read_metadata(model_dir)
     if meta.head_type != HEAD_TYPE:
         raise HeadMismatchError("head_type", f"{where}: head_type is {meta.head_type!r}, not {HEAD_TYPE!r}. Fix: "

@@ -35,14 +35,12 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from draftsmith.export.check import OVERRIDABLE_FIELDS, WEIGHTS_FILE, CheckReport, compare_target_identity
+from draftsmith.export.check import WEIGHTS_FILE, CheckReport, check_allow_mismatch, compare_target_identity
 from draftsmith.export.identity import file_sha256, sha256_bytes, target_identity
 from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_json_atomic, write_metadata
 from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, expected_weight_shapes
@@ -95,7 +93,7 @@ def export_mlp_speculator(head: MLPSpeculator, out_dir: str | Path, target_ident
         recorded target; FileExistsError: a non-empty ``out_dir`` that is not a head directory.
     """
     from draftsmith.export.card import write_model_card
-    from draftsmith.export.writer import _fsync_tree, _install, _save_safetensors
+    from draftsmith.export.writer import _save_safetensors, staged_directory
 
     formats = mlp_formats(formats)
     out_dir = Path(out_dir)
@@ -103,9 +101,7 @@ def export_mlp_speculator(head: MLPSpeculator, out_dir: str | Path, target_ident
     _fits_target(hc, target_identity.get("hidden_size"), target_identity.get("vocab_size"), "export")
     sd = head.export_state_dict()
     dtype = str(sd["proj.0.weight"].dtype).removeprefix("torch.")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
+    with staged_directory(out_dir) as tmp:
         _save_safetensors(sd, tmp / WEIGHTS_FILE)
         vllm_cfg = hc.vllm_config(dtype)
         if MLPSpeculatorConfig.from_vllm_config(vllm_cfg) != hc:      # what vLLM would build
@@ -116,11 +112,6 @@ def export_mlp_speculator(head: MLPSpeculator, out_dir: str | Path, target_ident
                             training=dict(training or {}), eval=dict(eval or {}),
                             weights={WEIGHTS_FILE: file_sha256(tmp / WEIGHTS_FILE)})
         write_metadata(tmp, meta)
-        _fsync_tree(tmp)
-        _install(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     write_model_card(out_dir)          # after the rename: the card names the directory's final path (atomic itself)
     logger.info("exported MLP speculator (%d stages) to %s (%s)", hc.n_predict, out_dir, ", ".join(formats))
     return out_dir
@@ -186,11 +177,7 @@ def _check_vllm_config(head_dir: Path, hc: MLPSpeculatorConfig, where: str) -> N
 def _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch):
     head_dir = Path(head_dir)
     where = str(head_dir)
-    allow_mismatch = tuple(allow_mismatch)
-    unknown = sorted(set(allow_mismatch) - set(OVERRIDABLE_FIELDS))
-    if unknown:
-        raise ValueError(f"allow_mismatch: unknown field(s) {unknown}; fields that can be overridden: "
-                         f"{', '.join(OVERRIDABLE_FIELDS)}")
+    allow_mismatch = check_allow_mismatch(allow_mismatch)
     meta = read_metadata(head_dir)
     hc = _head_config(meta, where)
     sd = _verified_state_dict(head_dir, meta, hc, where)

@@ -20,6 +20,7 @@ Before the directory is installed, every config written is read back the way its
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -80,6 +81,23 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+@contextlib.contextmanager
+def staged_directory(out_dir: Path):
+    """Write a directory atomically: yields an empty temp directory beside ``out_dir``; when the block
+    ends normally its files are fsynced and it replaces ``out_dir`` (``_install``: a previous draftsmith
+    export there is replaced, any other non-empty directory refused); on any error it is deleted and
+    ``out_dir`` is left as it was."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
+    try:
+        yield tmp
+        _fsync_tree(tmp)
+        _install(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def _install(tmp: Path, out_dir: Path) -> None:
     """Move the finished temp dir to ``out_dir``; a previous head export there is replaced, any
     other non-empty directory is refused."""
@@ -133,9 +151,7 @@ def export_eagle3(head: Any, out_dir: str | Path, target_identity: dict, target_
     dtype = str(sd["fc.weight"].dtype).removeprefix("torch.")
     ttt_steps = int(hc.get("ttt_steps", 7))
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.tmp-"))
-    try:
+    with staged_directory(out_dir) as tmp:
         _save_safetensors(sd, tmp / WEIGHTS_FILE)
         configs = {"config.json": research_config(hc, target_cfg, dtype)}
         weight_files = [WEIGHTS_FILE]
@@ -155,11 +171,6 @@ def export_eagle3(head: Any, out_dir: str | Path, target_identity: dict, target_
             target=dict(target_identity), training=dict(training or {}), eval=dict(eval or {}),
             referee=dict(referee or {}), weights={rel: file_sha256(tmp / rel) for rel in weight_files})
         write_metadata(tmp, meta)
-        _fsync_tree(tmp)
-        _install(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     logger.info("exported EAGLE-3 head to %s (%s)", out_dir, ", ".join(formats))
     return out_dir
 
