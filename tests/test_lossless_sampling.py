@@ -6,7 +6,8 @@ through ``inference/cache.py``, so a wrong rollback changes its outputs. Its exa
 ``NEW`` tokens after the prompt is a product of table rows, computed here without sampling.
 
 For T in {0.5, 1.0} (plus one top-k/top-p case), plain sampling and speculative sampling with each method
-(n-gram: one-hot q; draft model: sampled q; EAGLE-3: q on a 6-token draft vocab scattered through d2t)
+(n-gram: one-hot q; draft model: sampled q; EAGLE-3: q on a 6-token draft vocab scattered through d2t;
+MLP speculator: sampled q from stages rooted at the target's final hidden state)
 each decode ``TRIALS`` seeded sequences. For every adjacent pair of positions (t_i, t_{i+1}) the counts are
 tested (scipy, cells expecting < 5 pooled) against the exact law AND against the plain-sampling counts
 (two-sample homogeneity). Threshold: a test fails when p < ``ALPHA`` = 1e-3. Seeds are fixed, so the
@@ -69,6 +70,8 @@ class TrigramLM(nn.Module):
             keys = ids.float().view(1, 1, -1, 1)
             cache.update(keys, keys, layer)
         hidden = tuple(self.layer_states[i][ids][None] for i in range(LAYERS + 1)) if output_hidden_states else None
+        self.lm_head(self.layer_states[LAYERS][ids][None])   # applied once like a real LM's head: the MLP
+        # speculator reads its input (TargetModel final_hidden); the logits still come from the table
         return SimpleNamespace(logits=self.table[prev, ids][None], hidden_states=hidden)
 
 
@@ -116,8 +119,19 @@ def _eagle3_head():
     return head
 
 
+def _mlp_speculator():
+    from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+
+    torch.manual_seed(0)
+    return MLPSpeculator(MLPSpeculatorConfig(vocab_size=V, emb_dim=H, inner_dim=2 * H, n_predict=K)).eval()
+
+
 def make_proposer(method: str, target: TargetModel, settings: dict):
     """A fresh proposer drawing its drafts with the same temperature / top-k / top-p as the target."""
+    if method == "mlp_speculator":
+        from draftsmith.inference.proposers.mlp_speculator import MLPSpeculatorProposer
+
+        return MLPSpeculatorProposer(_mlp_speculator(), seed=12345, **settings)
     if method == "ngram":
         return NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
     if method == "draft_model":
@@ -211,7 +225,7 @@ def test_plain_sampling_follows_the_exact_law(plain_runs, setting):
         assert pooled_pvalue(pair_counts(plain_runs[setting], i), TRIALS * pair_law(law, i)) > ALPHA
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3", "mlp_speculator"])
 @pytest.mark.parametrize("setting", ["T=0.5", "T=1.0"])
 def test_speculative_sampling_is_lossless(plain_runs, method, setting):
     """Every adjacent pair (t_i, t_i+1), i = 1..4, matches the exact law and plain sampling (p > 1e-3)."""
