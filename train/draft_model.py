@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 from draftsmith.config import ConfigError
 from draftsmith.train.trainer import DrafterSpec, DrafterTrainer, TrainConfig, TrainResult
-from draftsmith.train.ttt import shift_left
+from draftsmith.train.ttt import row_weights
 
 __all__ = ["DraftModelConfig", "DraftModelSpec", "DistillObjective", "DistillOutput", "distill_loss",
            "build_draft_model", "train_draft_model"]
@@ -192,13 +192,7 @@ def distill_loss(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, l
     compared in float32 on the scored rows only.
 
     Raises ValueError when the draft's vocabulary is not V or ``prompt_loss_weight`` is outside [0, 1]."""
-    if not 0.0 <= prompt_loss_weight <= 1.0:
-        raise ValueError(f"prompt_loss_weight must be in [0, 1], got {prompt_loss_weight}")
-    predicts_supervised = shift_left(loss_mask.bool(), 1, False)                       # token t+1 supervised
-    weight = predicts_supervised.float()                                               # [B, T]
-    if prompt_loss_weight > 0:
-        predicts_real = shift_left(attention_mask.bool(), 1, False)
-        weight = torch.where(predicts_supervised, 1.0, prompt_loss_weight * predicts_real.float())
+    predicts_supervised, weight = row_weights(loss_mask, attention_mask, prompt_loss_weight)   # [B, T] each
     scored = weight > 0                                                                # [B, T]
     logits = draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
     if logits.shape[-1] != target_logits.shape[-1]:

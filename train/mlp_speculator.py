@@ -38,7 +38,7 @@ import torch
 from draftsmith.heads.eagle3 import soft_cross_entropy
 from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
 from draftsmith.train.trainer import DrafterSpec, DrafterTrainer
-from draftsmith.train.ttt import shift_left
+from draftsmith.train.ttt import row_weights, shift_left
 
 __all__ = ["MLPSpeculatorHeadConfig", "StageLossOutput", "mlp_speculator_loss", "MLPSpeculatorObjective",
            "MLPSpeculatorSpec", "build_mlp_speculator", "train_mlp_speculator"]
@@ -92,10 +92,7 @@ def mlp_speculator_loss(head: MLPSpeculator, final_hidden: torch.Tensor, input_i
         ValueError: ``prompt_loss_weight`` outside [0, 1] or > 0 without ``attention_mask``; stages outside
             1..n_predict; mismatched shapes.
     """
-    if not 0.0 <= prompt_loss_weight <= 1.0:
-        raise ValueError(f"prompt_loss_weight must be in [0, 1], got {prompt_loss_weight}")
-    if prompt_loss_weight > 0 and attention_mask is None:
-        raise ValueError("prompt_loss_weight > 0 needs the attention_mask (padding must not be scored)")
+    predicts_supervised, row_weight = row_weights(loss_mask, attention_mask, prompt_loss_weight)   # [B, T]
     n = stages or head.config.n_predict
     if not 1 <= n <= head.config.n_predict:
         raise ValueError(f"stages must be in 1..n_predict ({head.config.n_predict}), got {n}")
@@ -104,11 +101,6 @@ def mlp_speculator_loss(head: MLPSpeculator, final_hidden: torch.Tensor, input_i
         raise ValueError(f"shapes disagree: input_ids {tuple(input_ids.shape)}, final_hidden "
                          f"{tuple(final_hidden.shape)}, target_logits {tuple(target_logits.shape)}, loss_mask "
                          f"{tuple(loss_mask.shape)}; all must be [B, T, ...] of the same batch")
-    predicts_supervised = shift_left(loss_mask.bool(), 1, False)                      # row t: x_{t+1} supervised
-    row_weight = predicts_supervised.float()                                           # [B, T]
-    if prompt_loss_weight > 0:
-        predicts_real = shift_left(attention_mask.bool(), 1, False)
-        row_weight = torch.where(predicts_supervised, 1.0, prompt_loss_weight * predicts_real.float())
     state = head.input_state(final_hidden)                                             # [B, T, H]
     total = state.new_zeros((), dtype=torch.float32)
     stage_loss, stage_acc, stage_count = [], [], []

@@ -48,6 +48,27 @@ def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+def row_weights(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None,
+                prompt_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which rows a distillation loss scores, and with what weight (shared by every drafter's loss).
+
+    Row t predicts token t+1: it weighs 1 when that token is supervised (``loss_mask`` [B, T] bool), else
+    ``prompt_loss_weight`` when it is a real token (``attention_mask`` [B, T], 1 = real), else 0 (padding).
+    Returns (predicts_supervised [B, T] bool, row_weight [B, T] float32).
+
+    Raises ValueError if ``prompt_loss_weight`` is outside [0, 1] or > 0 without ``attention_mask``."""
+    if not 0.0 <= prompt_loss_weight <= 1.0:
+        raise ValueError(f"prompt_loss_weight must be in [0, 1], got {prompt_loss_weight}")
+    if prompt_loss_weight > 0 and attention_mask is None:
+        raise ValueError("prompt_loss_weight > 0 needs the attention_mask (padding must not be scored)")
+    predicts_supervised = shift_left(loss_mask.bool(), 1, False)                       # token t+1 supervised
+    row_weight = predicts_supervised.float()                                           # [B, T]
+    if prompt_loss_weight > 0:
+        predicts_real = shift_left(attention_mask.bool(), 1, False)
+        row_weight = torch.where(predicts_supervised, 1.0, prompt_loss_weight * predicts_real.float())
+    return predicts_supervised, row_weight
+
+
 def ttt_loss(head: Eagle3Head, aux_hidden: torch.Tensor, input_ids: torch.Tensor, target_logits: torch.Tensor,
              loss_mask: torch.Tensor, ttt_steps: int | None = None, step_decay: float = 0.8,
              attention_mask: torch.Tensor | None = None, prompt_loss_weight: float = 0.0) -> TTTOutput:
@@ -59,20 +80,12 @@ def ttt_loss(head: Eagle3Head, aux_hidden: torch.Tensor, input_ids: torch.Tensor
     to later positions.
 
     Raises ValueError if ``prompt_loss_weight`` is outside [0, 1] or given without ``attention_mask``."""
-    if not 0.0 <= prompt_loss_weight <= 1.0:
-        raise ValueError(f"prompt_loss_weight must be in [0, 1], got {prompt_loss_weight}")
-    if prompt_loss_weight > 0 and attention_mask is None:
-        raise ValueError("prompt_loss_weight > 0 needs the attention_mask (padding must not be scored)")
+    predicts_supervised, row_weight = row_weights(loss_mask, attention_mask, prompt_loss_weight)
     steps = ttt_steps or head.config.ttt_steps
     draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=input_ids.device))
     target_argmax = target_logits.argmax(-1)                                          # [B, T]
     target_probs = torch.softmax(target_logits[..., draft_ids].float(), dim=-1)       # [B, T, Vd]
     in_draft = head.t2d[target_argmax]                                                # [B, T]
-    predicts_supervised = shift_left(loss_mask.bool(), 1, False)                       # token t+1 supervised
-    row_weight = predicts_supervised.float()                                           # [B, T]
-    if prompt_loss_weight > 0:
-        predicts_real = shift_left(attention_mask.bool(), 1, False)
-        row_weight = torch.where(predicts_supervised, 1.0, prompt_loss_weight * predicts_real.float())
     kv = HeadKV()
     hidden = head.fuse(aux_hidden)                                                     # [B, T, H]
     total = hidden.new_zeros((), dtype=torch.float32)
