@@ -196,6 +196,24 @@ def check_allow_mismatch(allow_mismatch) -> tuple[str, ...]:
     return allow_mismatch
 
 
+def check_recorded_target(meta, target_config: Any, tokenizer: Any, name_or_path: str | None,
+                          allow_mismatch: tuple[str, ...], where: str, what: str = "head"
+                          ) -> tuple[dict | None, dict, list[str]]:
+    """Step 6 as every drafter's check runs it: ``target_identity`` of the given target (None when
+    ``target_config`` is None: only a warning, the drafter's own integrity was checked) compared with
+    the identity ``meta.target`` records (``compare_target_identity``). Returns (actual identity or
+    None, overrides, warnings). Raises HeadMismatchError as ``compare_target_identity``."""
+    if target_config is None:
+        warning = f"no target given: only the {what}'s own integrity was checked"
+        logger.warning("%s: %s", where, warning)
+        return None, {}, [warning]
+    actual = target_identity(target_config, tokenizer, name_or_path)
+    if name_or_path and name_or_path != meta.target.get("name_or_path"):
+        logger.info("%s: trained on %r, checked against %r", where, meta.target.get("name_or_path"), name_or_path)
+    overridden, warnings = compare_target_identity(meta.target, actual, allow_mismatch, where)
+    return actual, overridden, warnings
+
+
 def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[str, ...], where: str
                             ) -> tuple[dict, list[str]]:
     """Step 6 for any drafter that records a target identity (EAGLE-3 heads, MLP speculators, draft
@@ -364,15 +382,8 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
         raise HeadMismatchError("aux_layer_ids", f"{where}: aux_layer_ids {meta.aux_layer_ids} disagree with "
                                 f"head_config {meta.head_config.get('aux_layer_ids')}. Fix: re-export the head.")
     # 6. target identity first (its message names the field that differs), then 5. aux layers in range
-    overridden, warnings = {}, []
-    actual = target_identity(target_config, tokenizer, name_or_path) if target_config is not None else None
-    if actual is None:
-        warnings.append("no target given: only the head's own integrity was checked")
-        logger.warning("%s: %s", where, warnings[-1])
-    else:
-        if name_or_path and name_or_path != meta.target.get("name_or_path"):
-            logger.info("%s: trained on %r, checked against %r", where, meta.target.get("name_or_path"), name_or_path)
-        overridden, warnings = compare_target_identity(meta.target, actual, allow_mismatch, where)
+    actual, overridden, warnings = check_recorded_target(meta, target_config, tokenizer, name_or_path,
+                                                         allow_mismatch, where)
     validate_aux_layer_ids(meta.aux_layer_ids, meta.aux_layer_convention,
                            actual["num_hidden_layers"] if actual else None, where)
     # 4. engine configs (after the target: an engine's default aux layers depend on the target's depth)

@@ -27,8 +27,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from draftsmith.export.check import CheckReport, check_allow_mismatch, compare_target_identity
-from draftsmith.export.identity import config_dict, file_sha256, target_identity
+from draftsmith.export.check import CheckReport, check_allow_mismatch, check_recorded_target
+from draftsmith.export.identity import config_dict, file_sha256
 from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_metadata
 
 logger = logging.getLogger(__name__)
@@ -135,17 +135,12 @@ def check_draft_model(model_dir: str | Path, target_config: Any = None, tokenize
         raise HeadMismatchError("draft_vocab_size", f"{where}: draft_vocab_size: config.json has vocab_size "
                                 f"{text.get('vocab_size')}, draftsmith.json records {meta.draft_vocab_size}. Fix: "
                                 "re-export; never edit an exported config by hand.")
-    overridden, warnings = {}, []
-    actual = target_identity(target_config, tokenizer, name_or_path) if target_config is not None else None
-    if actual is None:
-        warnings.append("no target given: only the draft's own integrity was checked")
-        logger.warning("%s: %s", where, warnings[-1])
-    else:
-        overridden, warnings = compare_target_identity(meta.target, actual, allow_mismatch, where)
-        if actual.get("vocab_size") != meta.draft_vocab_size:
-            raise HeadMismatchError("vocab_size", f"{where}: vocab_size: the draft predicts over "
-                                    f"{meta.draft_vocab_size} tokens, the target has {actual.get('vocab_size')}; a "
-                                    "draft model needs the target's vocabulary. Fix: distil a draft for this target.")
+    actual, overridden, warnings = check_recorded_target(meta, target_config, tokenizer, name_or_path,
+                                                         allow_mismatch, where, what="draft")
+    if actual is not None and actual.get("vocab_size") != meta.draft_vocab_size:
+        raise HeadMismatchError("vocab_size", f"{where}: vocab_size: the draft predicts over "
+                                f"{meta.draft_vocab_size} tokens, the target has {actual.get('vocab_size')}; a "
+                                "draft model needs the target's vocabulary. Fix: distil a draft for this target.")
     return CheckReport(model_dir, meta, list(overridden), warnings, checked_target=actual is not None,
                        override_values=overridden, allow_mismatch=allow_mismatch)
 

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from draftsmith.export.check import WEIGHTS_FILE, CheckReport, check_allow_mismatch, compare_target_identity
-from draftsmith.export.identity import file_sha256, sha256_bytes, target_identity
+from draftsmith.export.check import WEIGHTS_FILE, CheckReport, check_allow_mismatch, check_recorded_target
+from draftsmith.export.identity import file_sha256, sha256_bytes
 from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_json_atomic, write_metadata
 from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, expected_weight_shapes
 
@@ -183,13 +183,9 @@ def _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch):
     sd = _verified_state_dict(head_dir, meta, hc, where)
     _check_vllm_config(head_dir, hc, where)
     _fits_target(hc, meta.target.get("hidden_size"), meta.target.get("vocab_size"), where)
-    overridden, warnings = {}, []
-    actual = target_identity(target_config, tokenizer, name_or_path) if target_config is not None else None
-    if actual is None:
-        warnings.append("no target given: only the head's own integrity was checked")
-        logger.warning("%s: %s", where, warnings[-1])
-    else:
-        overridden, warnings = compare_target_identity(meta.target, actual, allow_mismatch, where)
+    actual, overridden, warnings = check_recorded_target(meta, target_config, tokenizer, name_or_path,
+                                                         allow_mismatch, where)
+    if actual is not None:
         _fits_target(hc, actual.get("hidden_size"), actual.get("vocab_size"), where)
     report = CheckReport(head_dir, meta, list(overridden), warnings, checked_target=actual is not None,
                          override_values=overridden, allow_mismatch=allow_mismatch)
