@@ -10,6 +10,7 @@ CLI verb. Outputs of a run named N live under ``runs/N/``:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -93,11 +94,23 @@ def run_capture(recipe: Recipe, target=None, tokenizer=None) -> dict:
                         revision=recipe.target.revision, capture_dtype=recipe.capture.dtype)
 
 
-def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
+@contextlib.contextmanager
+def timed(stages: dict[str, float] | None, name: str):
+    """Add the wall-clock seconds of the block to ``stages[name]`` (nothing when ``stages`` is None)."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        if stages is not None:
+            stages[name] = stages.get(name, 0.0) + time.perf_counter() - t0
+
+
+def run_train(recipe: Recipe, target=None, tokenizer=None, stages: dict[str, float] | None = None) -> Path:
     """Stages 1-3: prepare (and, for ``train.mode: offline`` in one process, capture), train, export.
 
     Training and export are the ``TRAINERS`` entry of ``recipe.method``. Returns the exported directory
-    (a head, or a draft model). Raises ValueError for a method without a trainer."""
+    (a head, or a draft model); ``stages`` collects the seconds of each stage (``timed``). Raises
+    ValueError for a method without a trainer."""
     if recipe.method not in TRAINERS:
         raise ValueError(f"recipe method {recipe.method!r} has no trainer; known: {', '.join(TRAINERS)}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not (recipe.run_dir / "data" / "manifest.json").exists():
@@ -105,25 +118,27 @@ def run_train(recipe: Recipe, target=None, tokenizer=None) -> Path:
                            "RECIPE` (and `draftsmith capture RECIPE` for train.mode=offline) in one process first")
     if target is None:
         target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
-    data = run_prepare(recipe, target, tokenizer)
+    with timed(stages, "prepare (regeneration)"):
+        data = run_prepare(recipe, target, tokenizer)
     if recipe.train.mode == "offline":
         from draftsmith.data_pipeline.shards import ShardReader
 
-        if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-            run_capture(recipe, target, tokenizer)     # resumes; finished shards are only verified
-
-        train_data = ShardReader(recipe.run_dir / "capture")
-        train_data.check_target(target, tokenizer)
+        with timed(stages, "offline capture"):
+            if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+                run_capture(recipe, target, tokenizer)     # resumes; finished shards are only verified
+            train_data = ShardReader(recipe.run_dir / "capture")
+            train_data.check_target(target, tokenizer)
     else:
         train_data = render_dataset(tokenizer, data.conversations, recipe.data.max_length)
-    return TRAINERS[recipe.method](recipe, target, tokenizer, data, train_data)
+    with timed(stages, "training + export"):
+        return TRAINERS[recipe.method](recipe, target, tokenizer, data, train_data)
 
 
 def _training_record(recipe: Recipe, data: PreparedData, result) -> dict:
     """draftsmith.json ``training`` of a finished run: recipe, data manifest, steps, time, last figures."""
     last = result.log[-1] if result.log else {}
     return {"recipe": to_dict(recipe), "data_manifest": {k: v for k, v in data.manifest.items() if k != "key"},
-            "steps": result.steps, "seconds": result.seconds,
+            "steps": result.steps, "seconds": result.seconds, "precision": result.precision,
             "final": {k: v for k, v in last.items() if k.startswith(("loss", "acc_", "tau", "acceptance"))}}
 
 
@@ -426,22 +441,47 @@ def demo(recipe: Recipe) -> dict:
     from draftsmith.export.check import check_head
     from draftsmith.export.metadata import update_metadata
 
+    from draftsmith.export.metadata import read_metadata
+    from draftsmith.precision import machine_record
+
     t0 = time.time()
-    target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
-    head_dir = run_train(recipe, target, tokenizer)
-    check = check_head(head_dir, target.config, tokenizer, recipe.target.name_or_path)
+    stages: dict[str, float] = {}
+    with timed(stages, "load target"):
+        target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, recipe.target.dtype)
+    head_dir = run_train(recipe, target, tokenizer, stages)
+    with timed(stages, "check"):
+        check = check_head(head_dir, target.config, tokenizer, recipe.target.name_or_path)
     print(check.summary())
-    report = run_eval(recipe, head_dir, target, tokenizer)
-    update_metadata(head_dir, eval=eval_summary(report))
-    write_model_card(head_dir, report, recipe.run_dir / "eval" / "acceptance.png")
-    first = reference_prompt(recipe)
-    served = serve_check(target, tokenizer, head_dir, recipe.eval.k, first)
+    with timed(stages, "eval"):
+        report = run_eval(recipe, head_dir, target, tokenizer)
+        update_metadata(head_dir, eval=eval_summary(report))
+        write_model_card(head_dir, report, recipe.run_dir / "eval" / "acceptance.png")
+    with timed(stages, "serve check"):
+        served = serve_check(target, tokenizer, head_dir, recipe.eval.k, reference_prompt(recipe))
     print(f"served {head_dir} at {served['url']}: {served['usage']['completion_tokens']} tokens, "
           f"/metrics {served['metrics']}")
     report["serve_check"] = served
     report["wall_clock_s"] = time.time() - t0
+    report["stages_s"] = stages
+    report["machine"] = {**machine_record(),
+                         "training_precision": read_metadata(head_dir).training.get("precision")}
     (recipe.run_dir / "eval" / "report.json").write_text(json.dumps(report, indent=1))
     print(format_table(report))
+    print(format_stages(report))
     print(f"report: {recipe.run_dir / 'eval' / 'report.json'}  plot: {recipe.run_dir / 'eval' / 'acceptance.png'}  "
           f"head: {head_dir}  ({report['wall_clock_s'] / 60:.1f} min)")
     return report
+
+
+def format_stages(report: dict) -> str:
+    """The demo's stage times (minutes) and the machine they were measured on, as printed at its end."""
+    machine = report.get("machine") or {}
+    precision = machine.get("training_precision") or {}
+    lines = [f"stage times on {machine.get('cpu', 'an unknown CPU')}"
+             + (f" + {machine['gpu']}" if machine.get("gpu") else "")
+             + f", {machine.get('threads', '?')} torch threads; training precision {precision.get('value', '?')}"
+             + (f" ({precision['requested']})" if precision.get("requested") == "auto" else "")]
+    for name, seconds in (report.get("stages_s") or {}).items():
+        lines.append(f"  {name:<24}{seconds / 60:>7.1f} min")
+    lines.append(f"  {'total':<24}{report.get('wall_clock_s', 0.0) / 60:>7.1f} min")
+    return "\n".join(lines)

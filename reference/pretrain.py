@@ -3,9 +3,10 @@
 Steps:
   1. tokenize the corpus once into token streams (train: code modules and rendered chat examples,
      shuffled, separated by ``<|endoftext|>``; held-out: code, and chat with the answer mask);
-  2. train with accelerate (bf16 autocast where the CPU has it), AdamW(0.9, 0.95), warmup + cosine,
-     random ``seq_len`` windows drawn from a generator seeded by (seed, step), so resuming from a
-     checkpoint replays exactly the batches the uninterrupted run would have drawn;
+  2. train with accelerate (bf16 autocast where the device computes bf16 natively, else fp32: the
+     rule of ``draftsmith.precision``), AdamW(0.9, 0.95), warmup + cosine, random ``seq_len`` windows
+     drawn from a generator seeded by (seed, step), so resuming from a checkpoint replays exactly
+     the batches the uninterrupted run would have drawn;
   3. evaluate held-out loss on plain code and on chat answers every ``eval_every`` steps;
   4. save ``out_dir/model`` as a transformers model directory (bf16 weights + tokenizer).
 
@@ -28,6 +29,7 @@ from tqdm.auto import tqdm
 
 from draftsmith.config import load_config, to_dict
 from draftsmith.data_pipeline.chat import render, render_text
+from draftsmith.precision import resolve_mixed_precision
 from draftsmith.train.checkpoint import load_checkpoint, save_checkpoint
 
 
@@ -66,7 +68,7 @@ class PretrainConfig:
     eval_chat_examples: int = 200
     ckpt_every: int = 100
     threads: int = 2
-    mixed_precision: str = "bf16"
+    mixed_precision: str = "auto"          #: draftsmith.precision rule: bf16 where native (measured), else fp32
 
 
 def build_streams(cfg: PretrainConfig, tokenizer) -> dict[str, np.ndarray]:
@@ -163,7 +165,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     torch.set_num_threads(cfg.threads)
     tokenizer = AutoTokenizer.from_pretrained(cfg.tokenizer_dir)
     streams = build_streams(cfg, tokenizer)
-    precision = cfg.mixed_precision if cfg.mixed_precision != "bf16" or _cpu_has_bf16() else "no"
+    choice = resolve_mixed_precision(cfg.mixed_precision)
+    precision = choice.value
+    print(f"mixed precision {precision}: {choice.reason}")
     accelerator = Accelerator(mixed_precision=precision, cpu=not torch.cuda.is_available())
     model = build_model(cfg, tokenizer)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -217,16 +221,6 @@ def export_model(model, tokenizer, out: Path) -> None:
         import shutil
         shutil.rmtree(out)
     tmp.rename(out)
-
-
-def _cpu_has_bf16() -> bool:
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def export_checkpoint(cfg: PretrainConfig, out: Path) -> None:

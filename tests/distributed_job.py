@@ -38,7 +38,7 @@ def run(out: Path, strategy: str = "auto", num_processes: int | None = None, ste
     """Train the tiny head (or, ``drafter="draft_model"``, a 2-layer draft LM); returns the ``TrainResult``."""
     target = make_tiny_llama(seed=7)
     data = make_data()
-    cfg = TrainConfig(max_steps=steps, epochs=4, batch_size=batch_size, micro_batch_size=micro_batch_size,
+    cfg = TrainConfig(mixed_precision="no", max_steps=steps, epochs=4, batch_size=batch_size, micro_batch_size=micro_batch_size,
                       lr=3e-3, warmup_steps=2, log_every=1, ckpt_every=ckpt_every, strategy=strategy,
                       num_processes=num_processes, seed=0, target_sharding=target_sharding)
     if drafter == "draft_model":

@@ -114,7 +114,7 @@ def test_built_from_the_target_config(tiny_llama):
 
 
 def run(target, data, out, **kw):
-    cfg = TrainConfig(epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, log_every=1, **kw)
+    cfg = TrainConfig(mixed_precision="no", epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, log_every=1, **kw)
     return train_draft_model(target, data, DraftModelConfig(**SMALL), cfg, out, pad_id=0)
 
 
@@ -151,7 +151,7 @@ def test_an_eagle3_checkpoint_is_not_resumed_as_a_draft_model(tiny_llama, tmp_pa
     target, data = tiny_llama(seed=7), make_data()
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 64, always_include=[1])
     train_eagle3(target, data, vmap, HeadConfig(ttt_steps=2, aux_layer_ids=[1, 2, 3]),
-                 TrainConfig(max_steps=1, batch_size=4), tmp_path, pad_id=0)
+                 TrainConfig(mixed_precision="no", max_steps=1, batch_size=4), tmp_path, pad_id=0)
     with pytest.raises(ValueError, match="checkpoint of drafter 'eagle3', this run trains 'draft_model'"):
         run(target, data, tmp_path, max_steps=2)
 
@@ -178,7 +178,7 @@ def test_offline_shards_give_the_online_loss(tiny_llama, chatml, tmp_path):
     seqs = list(reader)
     online = RenderedDataset([s.input_ids for s in seqs], [s.loss_mask for s in seqs])
     draft_cfg = DraftModelConfig(**SMALL, prompt_loss_weight=0.5)
-    cfg = TrainConfig(max_steps=3, batch_size=4, micro_batch_size=2, lr=3e-3, warmup_steps=1, log_every=1)
+    cfg = TrainConfig(mixed_precision="no", max_steps=3, batch_size=4, micro_batch_size=2, lr=3e-3, warmup_steps=1, log_every=1)
     a = train_draft_model(target, online, draft_cfg, cfg, tmp_path / "online", pad_id=chatml.pad_token_id)
     b = train_draft_model(target, reader, draft_cfg, TrainConfig(**{**vars(cfg), "mode": "offline"}),
                           tmp_path / "offline", pad_id=chatml.pad_token_id)
@@ -314,7 +314,7 @@ def reference_distilled(tmp_path_factory):
     target, tok = load_causal_lm("reference")
     data = render_dataset(tok, load_conversations("reference:train", limit=12, seed=1), 256)
     out = tmp_path_factory.mktemp("reference")
-    cfg = TrainConfig(max_steps=3, batch_size=4, lr=1e-3, warmup_steps=1, log_every=1)
+    cfg = TrainConfig(mixed_precision="no", max_steps=3, batch_size=4, lr=1e-3, warmup_steps=1, log_every=1)
     result = train_draft_model(target, data, DraftModelConfig(init_from="reference-draft", prompt_loss_weight=1.0),
                                cfg, out / "train", tok.pad_token_id, tokenizer=tok)
     draft_dir = export_draft_model(result.head, tok, out / "draft", target_identity(target, tok, "reference"))

@@ -96,3 +96,14 @@ def test_cli_check_exit_codes(trained, capsys):
     assert main(["check", str(head_dir), "--target", "reference"]) == 0
     assert main(["check", str(head_dir), "--target", "reference-draft"]) == 1
     assert "hidden_size" in capsys.readouterr().err
+
+
+def test_the_heads_metadata_records_the_training_precision_and_why(trained):
+    from draftsmith.export.metadata import read_metadata
+    from draftsmith.precision import dtype_speed
+
+    _, _, head_dir = trained
+    recorded = read_metadata(head_dir).training["precision"]
+    native = dtype_speed(torch.bfloat16).fast
+    assert recorded["requested"] == "auto" and recorded["value"] == ("bf16" if native else "no")
+    assert "matmul took" in recorded["reason"]

@@ -170,7 +170,7 @@ def test_config_refusals_name_the_field_and_the_fix(tiny_llama, tmp_path):
         MLPSpeculatorConfig.from_dict({"vocab_size": 96, "emb_dim": 32, "inner_dim": 32, "n_predict": 3, "eps": 1})
     with pytest.raises(ValueError, match="inner_dim == the target's hidden size"):
         make_head(tiny_llama(), inner_dim=24).init_from_target(tiny_llama())
-    cfg = TrainConfig(acceptance=AcceptanceConfig(every=1, k=6))
+    cfg = TrainConfig(mixed_precision="no", acceptance=AcceptanceConfig(every=1, k=6))
     with pytest.raises(ValueError, match="train.acceptance.k <= 5"):
         train_mlp_speculator(tiny_llama(), None, MLPSpeculatorHeadConfig(n_predict=5), cfg, tmp_path, pad_id=0)
 

@@ -24,7 +24,7 @@ def make_data(n=12, t=20, vocab=96, seed=0):
 
 def run(target, data, out, **kw):
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 64, always_include=[1])
-    cfg = TrainConfig(epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, log_every=1, **kw)
+    cfg = TrainConfig(mixed_precision="no", epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, log_every=1, **kw)
     return train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg, out, pad_id=0)
 
 
@@ -80,7 +80,7 @@ def test_resume_keeps_the_saved_vocab_map(tiny_llama, tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run(target, data, tmp_path / "b", max_steps=4, ckpt_every=2)
     monkeypatch.setattr(trainer, "commit_checkpoint", real_commit)
-    cfg = TrainConfig(epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, log_every=1, max_steps=4)
+    cfg = TrainConfig(mixed_precision="no", epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, log_every=1, max_steps=4)
     resumed = train_eagle3(target, data, other, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg,
                            tmp_path / "b", pad_id=0)
     assert torch.equal(resumed.head.d2t, saved.d2t) and torch.equal(resumed.head.t2d, saved.t2d)
@@ -96,7 +96,7 @@ def test_resume_refuses_an_old_checkpoint_without_its_vocab_map(tiny_llama, tmp_
     other = build_vocab_map(torch.arange(96).flip(0), 64)
     with pytest.raises(ValueError, match="another vocab map"):
         train_eagle3(target, data, other, HeadConfig(ttt_steps=2, aux_layer_ids=[1, 2, 3]),
-                     TrainConfig(max_steps=4, batch_size=4), tmp_path, pad_id=0)
+                     TrainConfig(mixed_precision="no", max_steps=4, batch_size=4), tmp_path, pad_id=0)
 
 
 def test_resume_refuses_another_data_schedule(tiny_llama, tmp_path):
@@ -107,7 +107,7 @@ def test_resume_refuses_another_data_schedule(tiny_llama, tmp_path):
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 64, always_include=[1])
     with pytest.raises(ValueError, match="data schedule"):
         train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]),
-                     TrainConfig(max_steps=4, batch_size=4, micro_batch_size=2), tmp_path, pad_id=0)
+                     TrainConfig(mixed_precision="no", max_steps=4, batch_size=4, micro_batch_size=2), tmp_path, pad_id=0)
 
 
 def test_length_grouped_batches_cover_the_epoch_once_with_less_padding():
@@ -154,7 +154,7 @@ def test_offline_shards_give_the_online_loss(tiny_llama, chatml, tmp_path):
     vmap = build_vocab_map(count_tokens(online.input_ids, online.loss_mask, len(chatml)), 128,
                            always_include=[chatml.eos_token_id])
     head_cfg = HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3], prompt_loss_weight=0.25)
-    cfg = TrainConfig(max_steps=4, batch_size=4, micro_batch_size=2, lr=3e-3, warmup_steps=1, log_every=1,
+    cfg = TrainConfig(mixed_precision="no", max_steps=4, batch_size=4, micro_batch_size=2, lr=3e-3, warmup_steps=1, log_every=1,
                       group_by_length=True)
     a = train_eagle3(target, online, vmap, head_cfg, cfg, tmp_path / "online", pad_id=chatml.pad_token_id)
     b = train_eagle3(target, reader, vmap, head_cfg, TrainConfig(**{**vars(cfg), "mode": "offline"}),
@@ -250,7 +250,7 @@ def test_inloop_acceptance_is_the_eval_acceptance(tiny_llama, chatml, tmp_path):
     heldout = conversations(3, seed=9)
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, len(chatml)), 128,
                            always_include=[chatml.eos_token_id])
-    cfg = TrainConfig(max_steps=4, batch_size=4, lr=3e-3, warmup_steps=1, log_every=3,
+    cfg = TrainConfig(mixed_precision="no", max_steps=4, batch_size=4, lr=3e-3, warmup_steps=1, log_every=3,
                       acceptance=AcceptanceConfig(every=2, prompts=3, k=3, max_new_tokens=12))
     result = train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg, tmp_path,
                           pad_id=chatml.pad_token_id, heldout=heldout, tokenizer=chatml)

@@ -61,10 +61,18 @@ def _cpu_launch_hint(strategy: str) -> str:
 
 
 def make_accelerator(mixed_precision: str, log_with: list[str] | None = None, project_dir: str | None = None):
-    """The run's ``Accelerator``: CPU when there is no CUDA, gloo for DeepSpeed on CPU (measured, issue 5)."""
+    """The run's ``Accelerator``: CPU when there is no CUDA, gloo for DeepSpeed on CPU (measured, issue 5).
+
+    accelerate keeps one ``AcceleratorState`` per process and refuses a second ``Accelerator`` with another
+    mixed precision; a process that trains several drafters (a notebook, the tests) may choose differently
+    per run, so that per-run state is reset here. The process group (``PartialState``) is kept."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from accelerate.utils import InitProcessGroupKwargs
 
+    state = AcceleratorState._shared_state
+    if state and state.get("_mixed_precision") not in (None, mixed_precision):
+        AcceleratorState._reset_state(reset_partial_state=False)
     cuda = torch.cuda.is_available()
     deepspeed = _env_flag("ACCELERATE_USE_DEEPSPEED")
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not cuda else []

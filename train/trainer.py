@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.precision import default_device, resolve_mixed_precision
 from draftsmith.train import distributed as dist_utils
 from draftsmith.train.acceptance import (AcceptanceConfig, heldout_prompts, log_fields, measure_acceptance,
                                          stats_from_tensor, stats_tensor)
@@ -80,7 +81,9 @@ class TrainConfig:
     threads: int | None = None               #: torch CPU threads; None = leave torch's default
     ckpt_every: int = 0                      #: optimiser steps between checkpoints; 0 = only at the end
     log_every: int = 10
-    mixed_precision: str = "no"              #: accelerate mixed precision for the drafter: no | bf16 | fp16
+    #: the drafter's mixed precision: auto (bf16 where the device computes it natively, else fp32; measured,
+    #: ``draftsmith.precision``) | no (fp32) | bf16 | fp16; the choice and its reason are logged and recorded
+    mixed_precision: Literal["auto", "no", "bf16", "fp16"] = "auto"
     group_by_length: bool = False            #: batches of similar lengths (less padding; see batches_for_epoch)
     mode: Literal["online", "offline"] = "online"   #: offline: read runs/NAME/capture (``draftsmith capture``)
     strategy: Literal["auto", "single", "ddp", "fsdp", "zero2", "zero3"] = "auto"   #: checked at start
@@ -103,6 +106,7 @@ class TrainResult:
     seconds: float = 0.0
     is_main_process: bool = True
     sharding: dict = field(default_factory=dict)
+    precision: dict = field(default_factory=dict)     #: ``precision.PrecisionChoice.as_dict()`` of the run
 
 
 class DrafterSpec(abc.ABC):
@@ -225,10 +229,11 @@ class DrafterTrainer:
         self.spec, self.cfg, self.out_dir = spec, cfg, Path(out_dir)
         self.target, self.tokenizer, self.run_config = target, tokenizer, run_config or {}
         trackers = _trackers(cfg)
-        acc = self.accelerator = dist_utils.make_accelerator(cfg.mixed_precision, trackers,
+        self.precision = resolve_mixed_precision(cfg.mixed_precision, default_device())
+        acc = self.accelerator = dist_utils.make_accelerator(self.precision.value, trackers,
                                                              str(self.out_dir / "logs") if trackers else None)
         self.strategy = dist_utils.check_launch(acc, cfg.strategy, cfg.num_processes)
-        if self.strategy == "fsdp" and cfg.mixed_precision == "fp16":
+        if self.strategy == "fsdp" and self.precision.value == "fp16":
             raise ValueError("strategy fsdp trains in fp32 or bf16 (train.mixed_precision no | bf16): its optimizer "
                              "step does not unscale fp16 gradients")
         if cfg.target_sharding == "fsdp" and self.strategy != "fsdp":
@@ -269,6 +274,8 @@ class DrafterTrainer:
         acc.print(f"draftsmith train: {self.strategy} on {acc.num_processes} process(es), {self.source.mode} mode, "
                   f"{self.schedule.grad_accum} accumulation step(s) of {micro} sequences per process; rank 0 holds "
                   f"{report.local}/{report.full} trainable elements")
+        acc.print(f"draftsmith train: mixed precision {self.precision.value} ({self.precision.reason})")
+        logger.info("mixed precision %s: %s", self.precision.value, self.precision.reason)
         self.step, self.log = (resume.step, resume.state["extra"].get("log", [])) if resume else (0, [])
         if resume is not None:
             restore_rng(resume.rng)
@@ -315,7 +322,7 @@ class DrafterTrainer:
             raise ValueError(f"{self.ckpt} was written by a {'non-' if zero else ''}DeepSpeed run; resume it with the "
                              f"strategy family that wrote it (strategy {resume.state['extra'].get('strategy')!r})")
         if strategy == "fsdp":
-            dist_utils.apply_fsdp2(self.raw, acc.device, acc.num_processes, cfg.mixed_precision,
+            dist_utils.apply_fsdp2(self.raw, acc.device, acc.num_processes, self.precision.value,
                                    units=self.spec.fsdp_units(self.raw.head))
         self.base_optimizer = torch.optim.AdamW(self.raw.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
                                                 weight_decay=cfg.weight_decay)
@@ -447,7 +454,8 @@ class DrafterTrainer:
         if acc.is_main_process:
             extra = {"log": self.log, "drafter": self.spec.name, **self.spec.checkpoint_extra(),
                      "config": self.run_config, "strategy": strategy, "world_size": acc.num_processes,
-                     "mode": self.source.mode, "schedule": self.schedule_key()}
+                     "mode": self.source.mode, "schedule": self.schedule_key(),
+                     "precision": self.precision.as_dict()}
             write_checkpoint(staging, params, optim, self.base_optimizer.param_groups, self.scheduler.state_dict(),
                              self.step, extra, self.spec.vocab_map)
             self._commit(self.ckpt)
@@ -488,4 +496,5 @@ class DrafterTrainer:
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "train_log.json").write_text(json.dumps(self.log, indent=1))
-        return TrainResult(drafter, self.step, self.log, time.time() - t0, acc.is_main_process, self.sharding)
+        return TrainResult(drafter, self.step, self.log, time.time() - t0, acc.is_main_process, self.sharding,
+                           self.precision.as_dict())
