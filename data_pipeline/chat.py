@@ -199,8 +199,11 @@ def render(tokenizer, messages: list[dict], max_length: int | None = None,
            chat_template_kwargs: dict | None = None) -> Rendered:
     """Tokenize ``messages`` with the chat template and the assistant-only mask.
 
-    Returns input_ids [T] int64 and loss_mask [T] bool (truncated to ``max_length``). Needs a fast
-    tokenizer (offset mapping); raises ChatTemplateError / ValueError on a bad template or message."""
+    Returns input_ids [T] int64 and loss_mask [T] bool (truncated to ``max_length``: the first tokens
+    and their mask, so a partially cut answer keeps its first tokens supervised, and an answer past the
+    cut keeps none; ``dataset.render_conversations`` leaves out, and counts, conversations with no
+    supervised token left). Needs a fast tokenizer (offset mapping); raises ChatTemplateError /
+    ValueError on a bad template or message."""
     full, spans = supervised_spans(tokenizer, messages, chat_template_kwargs)
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     ids = enc["input_ids"]

@@ -13,6 +13,9 @@ later on) is malformed.
 Malformed records follow a policy, ``on_error``: ``"raise"`` (DatasetError naming the record) or
 ``"skip"``: the record is left out, and every skipped record is returned with its reason
 (``LoadedConversations.skipped``, ``RenderedDataset.skipped``) and logged as a warning; never silent.
+Rendering also leaves out, whatever ``on_error``, the conversations that train nothing (no supervised
+token, or none left within ``max_length``): returned and logged the same way, with a reason code of
+``drops.REASONS`` (``SkippedRecord.kind``).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 from jinja2 import TemplateError
 
 from draftsmith.data_pipeline.chat import render
+from draftsmith.data_pipeline.drops import SkippedRecord, count_by_reason, describe, log_dropped, supervision_drop
 
 logger = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
@@ -71,14 +75,6 @@ def normalise(record: dict, index: int) -> dict:
     out = {k: v for k, v in record.items() if k not in ("messages", "conversations", "data")}
     out["messages"] = messages
     return out
-
-
-@dataclass
-class SkippedRecord:
-    """A record left out under ``on_error="skip"``: its index in the source and why."""
-
-    index: int
-    reason: str
 
 
 @dataclass
@@ -193,11 +189,17 @@ def load_conversations(source: str, limit: int | None = None, seed: int = 0, on_
 
 @dataclass
 class RenderedDataset:
-    """Rendered conversations: lists of input_ids [T_i] int64 and loss_mask [T_i] bool."""
+    """Rendered conversations: lists of input_ids [T_i] int64 and loss_mask [T_i] bool.
+
+    ``kept[j]`` is the input index of sequence j; ``skipped`` holds every conversation left out, with its
+    reason (``SkippedRecord.kind``: template_refused, no_supervised_tokens,
+    no_supervised_tokens_after_truncation); ``truncated`` counts kept conversations cut by max_length."""
 
     input_ids: list[torch.Tensor]
     loss_mask: list[torch.Tensor]
-    skipped: list[SkippedRecord] = field(default_factory=list)   #: conversations the template refused
+    skipped: list[SkippedRecord] = field(default_factory=list)   #: conversations left out, with reasons
+    kept: list[int] = field(default_factory=list)
+    truncated: int = 0
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -210,32 +212,56 @@ class RenderedDataset:
         return sum(m.numel() for m in self.loss_mask)
 
 
-def render_dataset(tokenizer, conversations: list[dict], max_length: int, on_error: str = "raise",
-                   chat_template_kwargs: dict | None = None) -> RenderedDataset:
-    """Render every conversation with the chat template and assistant-only mask (truncated to max_length).
+def render_conversations(tokenizer, conversations: list[dict], max_length: int, on_error: str = "raise",
+                         chat_template_kwargs: dict | None = None) -> RenderedDataset:
+    """Render every conversation with the chat template and assistant-only mask, truncated to max_length.
 
-    A conversation the template or the mask refuses (ChatTemplateError, a template's raise_exception)
-    raises, or is skipped and reported per ``on_error``. Raises ValueError when the whole dataset's
-    supervised fraction is 0% or above 95%: the template's mask is then wrong."""
+    Truncation keeps the first ``max_length`` tokens and their mask, so a partially cut answer still
+    trains on its first tokens (the labels at kept positions are the same as without the cut; the cut
+    answer only loses its end-of-turn token). Left out and reported in ``skipped`` (and logged): a
+    conversation the template or the mask refuses (ChatTemplateError, a template's raise_exception),
+    which raises instead under ``on_error="raise"``; and, whatever ``on_error``, one that trains nothing
+    (``drops.supervision_drop``: no supervised token, or none within max_length). The caller reports
+    ``skipped`` (``render_dataset`` logs it; ``prepare`` logs and counts it in its manifest)."""
     _check_on_error(on_error)
-    ids, masks, skipped = [], [], []
+    ds = RenderedDataset([], [])
     for i, conv in enumerate(conversations):
         try:
-            r = render(tokenizer, conv["messages"], max_length=max_length, chat_template_kwargs=chat_template_kwargs)
+            r = render(tokenizer, conv["messages"], chat_template_kwargs=chat_template_kwargs)
         except (ValueError, TemplateError) as e:
             if on_error == "raise":
                 raise
-            skipped.append(SkippedRecord(i, f"conversation {i}: {type(e).__name__}: {e}"))
+            ds.skipped.append(SkippedRecord(i, f"conversation {i}: {type(e).__name__}: {e}", "template_refused"))
             continue
-        if r.loss_mask.any():
-            ids.append(r.input_ids)
-            masks.append(r.loss_mask)
-    _log_skipped("render_dataset", skipped, len(conversations))
-    ds = RenderedDataset(ids, masks, skipped)
+        drop = supervision_drop(r.loss_mask, max_length)
+        if drop is not None:
+            ds.skipped.append(SkippedRecord(i, f"conversation {i}: {drop[1]}", drop[0]))
+            continue
+        ds.truncated += r.input_ids.numel() > max_length
+        ds.input_ids.append(r.input_ids[:max_length])
+        ds.loss_mask.append(r.loss_mask[:max_length])
+        ds.kept.append(i)
+    return ds
+
+
+def check_supervised_fraction(ds: RenderedDataset, tokenizer) -> None:
+    """Raise ValueError when no sequence is kept, or when the supervised fraction of the kept ones is 0%
+    or above 95%: the template's mask is then wrong (the message names what was left out, by reason)."""
     frac = ds.supervised_fraction()
     if not ds.input_ids or frac == 0.0 or frac > 0.95:
-        raise ValueError(f"supervised fraction {frac:.1%} over {len(ds)} conversations is implausible for the chat "
-                         f"template of {getattr(tokenizer, 'name_or_path', '?')}: check the template and the data")
+        left_out = f" ({len(ds.skipped)} left out: {describe(count_by_reason(ds.skipped))})" if ds.skipped else ""
+        raise ValueError(f"supervised fraction {frac:.1%} over {len(ds)} conversations{left_out} is implausible for "
+                         f"the chat template of {getattr(tokenizer, 'name_or_path', '?')}: check the template and "
+                         "the data")
+
+
+def render_dataset(tokenizer, conversations: list[dict], max_length: int, on_error: str = "raise",
+                   chat_template_kwargs: dict | None = None) -> RenderedDataset:
+    """:func:`render_conversations`, a warning naming what it left out (by reason), then
+    :func:`check_supervised_fraction` (which raises ValueError)."""
+    ds = render_conversations(tokenizer, conversations, max_length, on_error, chat_template_kwargs)
+    log_dropped(logger, "render_dataset", ds.skipped, len(conversations))
+    check_supervised_fraction(ds, tokenizer)
     return ds
 
 

@@ -18,7 +18,8 @@ Each assistant turn is replaced, turn by turn, by the target's answer to the con
 
 Every output conversation records who wrote its answers under ``provenance.regenerated_by``
 (engine, model name and revision, decoding settings) and ``provenance.unfinished`` (an answer hit
-``max_new_tokens``).
+``max_new_tokens``). A conversation given an empty answer is left out, with its reason
+(``regenerate_with_drops``) and a warning.
 
 Resume. With a ``journal`` path, every finished batch of answers is appended to that jsonl file
 (flushed and fsynced) under a key: the sha256 of the inputs, the decoding settings and the engine's
@@ -47,6 +48,7 @@ import torch
 from tqdm.auto import tqdm
 
 from draftsmith.data_pipeline.chat import prompt_ids, render_text
+from draftsmith.data_pipeline.drops import SkippedRecord, log_dropped
 from draftsmith.export.identity import canonical_json
 
 logger = logging.getLogger(__name__)
@@ -316,10 +318,33 @@ def _prompt_chars(messages: list[dict]) -> int:
     return sum(len(m.get("content") or "") for m in messages)
 
 
+@dataclass
+class Regenerated:
+    """What :func:`regenerate_with_drops` returns: the regenerated conversations, the input index of
+    each (``kept``), and the conversations left out with their reasons (``dropped``; kinds
+    ``empty_regenerated_answer``, ``unfinished_regenerated_answer``)."""
+
+    conversations: list[dict]
+    kept: list[int]
+    dropped: list[SkippedRecord]
+
+
 def regenerate(answerer: Answerer, conversations: list[dict], *, max_new_tokens: int = 256,
                temperature: float = 0.0, batch_size: int = 16, seed: int = 0, drop_unfinished: bool = False,
                journal: str | Path | None = None, progress: bool = True) -> list[dict]:
-    """Return copies of ``conversations`` whose assistant turns are ``answerer``'s answers.
+    """The conversations of :func:`regenerate_with_drops`; a warning names those it left out, by reason."""
+    out = regenerate_with_drops(answerer, conversations, max_new_tokens=max_new_tokens, temperature=temperature,
+                                batch_size=batch_size, seed=seed, drop_unfinished=drop_unfinished, journal=journal,
+                                progress=progress)
+    log_dropped(logger, "regenerate", out.dropped, len(conversations))
+    return out.conversations
+
+
+def regenerate_with_drops(answerer: Answerer, conversations: list[dict], *, max_new_tokens: int = 256,
+                          temperature: float = 0.0, batch_size: int = 16, seed: int = 0,
+                          drop_unfinished: bool = False, journal: str | Path | None = None,
+                          progress: bool = True) -> Regenerated:
+    """Copies of ``conversations`` whose assistant turns are ``answerer``'s answers, and what was left out.
 
     Steps:
       1. key the run (inputs, settings, answerer identity); replay ``journal`` answers made under it;
@@ -327,8 +352,9 @@ def regenerate(answerer: Answerer, conversations: list[dict], *, max_new_tokens:
          length (characters; ties by input order) so that left padding wastes little, cut into fixed
          batches of ``batch_size``; each batch not fully in the journal is answered from
          the conversation so far (earlier turns regenerated) and appended to the journal;
-      3. conversations with an empty answer are dropped, and those with an answer that hit
-         ``max_new_tokens`` too when ``drop_unfinished`` (else kept, ``provenance.unfinished``).
+      3. conversations with an empty answer are left out, and those with an answer that hit
+         ``max_new_tokens`` too when ``drop_unfinished`` (else kept, ``provenance.unfinished``);
+         each with its reason in ``Regenerated.dropped`` (the caller reports them; ``regenerate`` logs).
     Order is preserved. Raises ValueError for batch_size < 1 or max_new_tokens < 1; the answerer's
     errors (e.g. ServerError) propagate, leaving finished batches in the journal."""
     if batch_size < 1 or max_new_tokens < 1:
@@ -366,14 +392,20 @@ def regenerate(answerer: Answerer, conversations: list[dict], *, max_new_tokens:
     bar.close()
 
     regenerated_by = {**identity, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
-    out = []
+    out = Regenerated([], [], [])
     for ci, c in enumerate(convs):                                              # step 3
-        if any(m["role"] == "assistant" and not m["content"].strip() for m in c["messages"]):
+        empty = next((t for t, j in enumerate(slots[ci]) if not c["messages"][j]["content"].strip()), None)
+        if empty is not None:
+            out.dropped.append(SkippedRecord(ci, f"conversation {ci}: the answer to turn {empty} is empty",
+                                             "empty_regenerated_answer"))
             continue
         if drop_unfinished and ci in unfinished:
+            out.dropped.append(SkippedRecord(ci, f"conversation {ci}: an answer hit max_new_tokens {max_new_tokens}",
+                                             "unfinished_regenerated_answer"))
             continue
         prov = dict(c.get("provenance") or {})
         prov["regenerated_by"] = regenerated_by
         prov["unfinished"] = ci in unfinished
-        out.append({**c, "provenance": prov})
+        out.conversations.append({**c, "provenance": prov})
+        out.kept.append(ci)
     return out

@@ -9,8 +9,9 @@
 
 Folder: ``manifest.json`` and ``shard-00000.safetensors``, ``shard-00001.safetensors``, ... Shard k holds
 the conversations ``[k * shard_size, (k + 1) * shard_size)`` of the input list, less those with nothing
-to supervise (counted in the manifest), stored longest first (the batching order). One tensor per
-sequence j and field, so a sequence is read without touching the others:
+to supervise within max_length (``drops.supervision_drop``; counted by reason in the shard's entry and
+the manifest, ``dropped`` with ``dropped_examples``, and logged), stored longest first (the batching
+order). One tensor per sequence j and field, so a sequence is read without touching the others:
 
     {j}.input_ids       [T]      int64          the rendered conversation (``chat.render``), cut to max_length
     {j}.loss_mask       [T]      bool           assistant-only mask
@@ -51,6 +52,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 import math
 import os
 import struct
@@ -64,7 +66,10 @@ from tqdm.auto import tqdm
 from draftsmith.data_pipeline.capture import check_aux_layer_ids
 from draftsmith.data_pipeline.chat import render
 from draftsmith.data_pipeline.dataset import pad_batch
+from draftsmith.data_pipeline.drops import SkippedRecord, count_by_reason, log_counts, supervision_drop
 from draftsmith.export.identity import canonical_json, file_sha256, target_identity
+
+logger = logging.getLogger(__name__)
 
 FORMAT, FORMAT_VERSION = "draftsmith-capture", 1
 MANIFEST = "manifest.json"
@@ -163,24 +168,25 @@ def capture_final(target, input_ids: torch.Tensor, aux_layer_ids,
 
 
 def _render_shard(tokenizer, conversations, lo: int, hi: int, max_length: int, kwargs: dict | None):
-    """(sequences [(conversation index, input_ids [T], loss_mask [T])] longest first, skipped, truncated)."""
-    seqs, skipped, truncated = [], 0, 0
+    """(sequences [(conversation index, input_ids [T], loss_mask [T])] longest first, the conversations
+    left out [SkippedRecord] with their reasons, how many kept ones max_length cut)."""
+    seqs, dropped, truncated = [], [], 0
     for ci in range(lo, hi):
         r = render(tokenizer, conversations[ci]["messages"], chat_template_kwargs=kwargs)
+        drop = supervision_drop(r.loss_mask, max_length)
+        if drop is not None:
+            dropped.append(SkippedRecord(ci, f"conversation {ci}: {drop[1]}", drop[0]))
+            continue
         truncated += r.input_ids.numel() > max_length
-        ids, mask = r.input_ids[:max_length], r.loss_mask[:max_length]
-        if mask.any():
-            seqs.append((ci, ids, mask))
-        else:
-            skipped += 1
+        seqs.append((ci, r.input_ids[:max_length], r.loss_mask[:max_length]))
     seqs.sort(key=lambda s: -s[1].numel())       # stable: equal lengths keep input order
-    return seqs, skipped, truncated
+    return seqs, dropped, truncated
 
 
 def _write_shard(target, tokenizer, conversations, *, index: int, lo: int, hi: int, out: Path, aux_layer_ids,
                  max_length: int, batch_size: int, dtype: torch.dtype, chat_template_kwargs: dict | None) -> dict:
     """Steps 3-5 for shard ``index`` (conversations [lo, hi)); returns its manifest entry."""
-    seqs, skipped, truncated = _render_shard(tokenizer, conversations, lo, hi, max_length, chat_template_kwargs)
+    seqs, dropped, truncated = _render_shard(tokenizer, conversations, lo, hi, max_length, chat_template_kwargs)
     hidden = target.config.get_text_config().hidden_size
     layout = [("conversation_index", torch.int64, (len(seqs),))]
     for j, (_, ids, _) in enumerate(seqs):
@@ -214,7 +220,8 @@ def _write_shard(target, tokenizer, conversations, *, index: int, lo: int, hi: i
     digest = file_sha256(tmp)
     os.replace(tmp, out / name)
     return {"index": index, "file": name, "sha256": digest, "bytes": (out / name).stat().st_size,
-            "conversations": [lo, hi], "sequences": len(seqs), "skipped_conversations": skipped,
+            "conversations": [lo, hi], "sequences": len(seqs), "skipped_conversations": len(dropped),
+            "dropped": count_by_reason(dropped), "dropped_examples": [d.reason for d in dropped[:3]],
             "truncated_conversations": truncated, "tokens": sum(s[1].numel() for s in seqs),
             "supervised_tokens": sum(int(s[2].sum()) for s in seqs)}
 
@@ -257,6 +264,12 @@ def _sum_shards(manifest: dict) -> None:
                              ("skipped_conversations", "skipped_conversations"),
                              ("truncated_conversations", "truncated_conversations"), ("bytes", "bytes")):
         manifest[total] = sum(e[per_shard] for e in shards)
+    dropped: dict[str, int] = {}
+    for e in shards:                              # entries of captures made before reasons were recorded lack them
+        for kind, n in e.get("dropped", {}).items():
+            dropped[kind] = dropped.get(kind, 0) + n
+    manifest["dropped"] = dict(sorted(dropped.items(), key=lambda kv: -kv[1]))
+    manifest["dropped_examples"] = [x for e in shards for x in e.get("dropped_examples", [])][:5]
 
 
 def write_shards(target, tokenizer, conversations: list[dict], out_dir, aux_layer_ids, max_length: int,
@@ -323,6 +336,8 @@ def write_shards(target, tokenizer, conversations: list[dict], out_dir, aux_laye
     if not manifest["complete"]:                      # e.g. zero conversations, or every shard was already there
         manifest["complete"] = True
         _write_json_atomic(manifest_path, manifest)
+    log_counts(logger, f"capture {out}", manifest.get("dropped", {}), len(conversations),
+               next(iter(manifest.get("dropped_examples", [])), "?"))
     return manifest
 
 
