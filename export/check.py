@@ -8,7 +8,9 @@ Both refuse (``HeadMismatchError``, a ValueError whose message names the field, 
 fix) when:
 1. ``draftsmith.json`` has a ``format_version`` newer than this runtime, or an unknown aux-layer
    convention; its ``head_config`` holds an unknown field or a norm flag this runtime does not
-   implement (``norm_before_residual: true``);
+   implement (``norm_before_residual: true``); its aux layer ids are not strictly ascending (vLLM and
+   SGLang concatenate the states in layer order, so such a head would be fed another order than it
+   was trained on: ``heads.eagle3.aux_layer_order_problem``);
 2. a weight file listed in the metadata is missing or its sha256 differs (corrupted / modified);
 3. a tensor is missing (e.g. ``lm_head.weight``), unexpected or of the wrong shape for the head's
    geometry; the draft vocab is reduced (Vd < V) but ``d2t`` is absent; ``d2t`` maps outside [0, V) or
@@ -172,10 +174,18 @@ def validate_vocab_map(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft
 
 def validate_aux_layer_ids(aux_layer_ids, convention: str, num_hidden_layers: int | None,
                            where: str = "head") -> None:
-    """Known convention; ids in the target's range [0, N-1] of HF hidden_states indices."""
+    """Known convention; ids strictly ascending (the layer order vLLM and SGLang concatenate the states
+    in, ``heads.eagle3.aux_layer_order_problem``: a head trained on another order is mis-served by both);
+    with ``num_hidden_layers``, ids in the target's range [0, N-1] of HF hidden_states indices."""
+    from draftsmith.heads.eagle3 import aux_layer_order_problem
+
     if convention not in KNOWN_AUX_CONVENTIONS:
         raise HeadMismatchError("aux_layer_convention", f"{where}: aux_layer_convention {convention!r} is not "
                                 f"one of {KNOWN_AUX_CONVENTIONS}. Fix: upgrade draftsmith or re-export the head.")
+    problem = aux_layer_order_problem(aux_layer_ids)
+    if problem is not None:
+        raise HeadMismatchError("aux_layer_ids", f"{where}: {problem} (this head cannot be served as trained; "
+                                f"a head trained on ascending ids is).")
     if num_hidden_layers is None:
         return
     bad = [i for i in aux_layer_ids if not 0 <= int(i) < num_hidden_layers]
@@ -343,8 +353,10 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
     allow_mismatch = check_allow_mismatch(allow_mismatch)
     meta = read_metadata(head_dir)
     where = str(given)
-    # 1. the recorded head is one this runtime implements
+    # 1. the recorded head is one this runtime implements (and the engines serve: aux ids in layer order)
     validate_head_config(meta.head_config, where)
+    validate_aux_layer_ids(meta.head_config.get("aux_layer_ids", meta.aux_layer_ids), meta.aux_layer_convention,
+                           None, where)
     # 2. weight files: present, sha256 as recorded (the loaded file is read once, hashed, then parsed)
     load_rel = f"{sub}/{WEIGHTS_FILE}" if sub else WEIGHTS_FILE
     if load_rel not in meta.weights:
