@@ -190,9 +190,30 @@ def speculators_config(hc: dict, target_cfg: dict, verifier: dict, speculative_t
     }
 
 
+# Weight file of each layout, relative to the export root, and the prefix it gives the decoder layer's
+# tensors: the research layout (vllm, sglang; SGLang loads ``midlayer.*`` only) and the speculators one.
+WEIGHT_LAYOUTS = {"model.safetensors": "midlayer.", f"{SPECULATORS_DIR}/model.safetensors": "layers.0."}
+
+
 def speculators_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our exported names -> the speculators layout (``midlayer.`` -> ``layers.0.``)."""
     return {k.replace("midlayer.", "layers.0.", 1): v for k, v in sd.items()}
+
+
+def export_names(sd: dict[str, Any], rel: str) -> tuple[dict[str, Any], list[str]]:
+    """Weight file ``rel``'s tensors (``WEIGHT_LAYOUTS``) under our export names (``midlayer.*``, DESIGN
+    §6), and the names that carry another layout's decoder prefix (``midlayer.x`` in the speculators
+    file, ``layers.0.x`` in the research one): the file was not written in its own layout.
+
+    Raises KeyError for a file no layout has."""
+    prefix = WEIGHT_LAYOUTS[rel]
+    others = tuple(p for p in set(WEIGHT_LAYOUTS.values()) if p != prefix)
+    out, misnamed = {}, []
+    for name, t in sd.items():
+        if name.startswith(others):
+            misnamed.append(name)
+        out["midlayer." + name[len(prefix):] if name.startswith(prefix) else name] = t
+    return out, sorted(misnamed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -203,8 +224,9 @@ class EngineView:
     """What one engine builds from a config: the fields that decide how the head computes.
 
     ``aux_layer_ids`` are HF ``hidden_states`` indices in the order the engine concatenates their states
-    (``layer_order``; None: the engine's default for the target, (2, N//2, N-3)); ``weight_prefixes``: decoder-layer tensor prefixes the engine loads (others are
-    dropped); ``problems``: (field, message) for configs the engine refuses or crashes on."""
+    (``layer_order``; None: the engine's default for the target, (2, N//2, N-3)); ``weight_prefixes``:
+    decoder-layer tensor prefixes the engine loads (others are dropped); ``problems``: (field, message)
+    for configs the engine refuses or crashes on."""
 
     engine: str
     method: str | None
