@@ -209,3 +209,34 @@ def test_draft_model_config_must_describe_the_recorded_draft(draft_dir):
         check_draft_model(out, target, tok)
     assert err.value.field == "head_config" and "max_position_embeddings: draftsmith.json 512, config.json 64" \
         in str(err.value)
+
+
+# ----------------------------------------------------------------------------------------- recorded copies
+@pytest.mark.parametrize("field, value", [("draft_vocab_size", 50), ("ttt_steps", 3), ("aux_layer_ids", [1, 2, 3])])
+def test_eagle3_top_level_copies_must_equal_head_config(exported_all, field, value):
+    """draftsmith.json restates draft_vocab_size, ttt_steps and aux_layer_ids beside head_config; the card and
+    the runtime read the top level, the loader head_config: two values would be two heads."""
+    target, tok, head_dir = exported_all
+    meta = json.loads((head_dir / "draftsmith.json").read_text())
+    if meta[field] == value:
+        value = [0, 1, 2]
+    meta[field] = value
+    (head_dir / "draftsmith.json").write_text(json.dumps(meta))
+    with pytest.raises(HeadMismatchError) as err:
+        check_head(head_dir, target, tok)
+    assert err.value.field == field and repr(value) in str(err.value) and "Fix:" in str(err.value)
+
+
+def test_mlp_speculator_recorded_draft_vocab_must_be_its_vocab(tiny_llama, word_tokenizer, tmp_path):
+    from draftsmith.export.mlp_speculator import check_mlp_speculator, export_mlp_speculator
+    from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+
+    target, tok = tiny_llama(seed=3), word_tokenizer()
+    out = export_mlp_speculator(MLPSpeculator(MLPSpeculatorConfig.from_target(target.config, n_predict=2)),
+                                tmp_path / "mlp", target_identity(target, tok, "tiny"))
+    meta = json.loads((out / "draftsmith.json").read_text())
+    meta["draft_vocab_size"] = 64
+    (out / "draftsmith.json").write_text(json.dumps(meta))
+    with pytest.raises(HeadMismatchError) as err:
+        check_mlp_speculator(out, target, tok)
+    assert err.value.field == "draft_vocab_size" and "64" in str(err.value) and "96" in str(err.value)
