@@ -33,7 +33,9 @@ fix) when:
 Step 6 fields can be overridden by name (``allow_mismatch=("tokenizer_sha256",)``, CLI
 ``--allow-mismatch``); overrides are logged, listed in the report with both values
 (``CheckReport.record()``, which ``draftsmith eval`` writes into its report). A different revision or
-chat template only warns. Nothing in steps 1-5 can be overridden: such a head is broken, not foreign.
+chat template, or a target running in another dtype than the head's recorded capture dtype (the dtype
+of the hidden states it was trained on), only warns. Nothing in steps 1-5 can be overridden: such a
+head is broken, not foreign.
 """
 from __future__ import annotations
 
@@ -56,8 +58,9 @@ WEIGHTS_FILE = "model.safetensors"
 # Target-identity fields that refuse on mismatch and may be overridden by name.
 OVERRIDABLE_FIELDS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "vocab_size",
                       "architecture_sha256", "tokenizer_sha256")
-# Fields that only warn when they differ.
-WARN_FIELDS = ("revision", "chat_template_sha256")
+# Fields that only warn when they differ. ``dtype``: the capture dtype (export.identity) against the dtype
+# the serving target runs in; states rounded otherwise than in training lower acceptance, never correctness.
+WARN_FIELDS = ("revision", "chat_template_sha256", "dtype")
 
 __all__ = ["CheckReport", "HeadMismatchError", "check_head", "load_eagle3", "compare_target_identity",
            "expected_weight_shapes",
@@ -253,7 +256,8 @@ def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[
 
     Raises HeadMismatchError naming the first differing ``OVERRIDABLE_FIELDS`` field (every refusal is
     listed in the message with both values and the fix) unless it is in ``allow_mismatch``; a
-    different revision or chat template only warns."""
+    different revision, chat template or dtype (the recorded capture dtype against the dtype the target
+    runs in, ``export.identity.target_dtype``) only warns, naming both values."""
     problems, overridden, warnings = [], {}, []
     name = recorded.get("name_or_path")
     for key in OVERRIDABLE_FIELDS:
@@ -283,7 +287,9 @@ def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[
                         f"allow_mismatch=({key!r},) (CLI --allow-mismatch {key}) if you know they are compatible.")
     for key in WARN_FIELDS:
         want, got = recorded.get(key), actual.get(key)
-        if want is not None and got is not None and want != got:
+        if key == "dtype":
+            warnings += _dtype_warnings(want, got)
+        elif want is not None and got is not None and want != got:
             warnings.append(f"{key} differs: head trained with {want!r}, target has {got!r}")
     for w in warnings:
         logger.warning("%s: %s", where, w)
@@ -294,6 +300,19 @@ def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[
 
 
 _compare_target = compare_target_identity     # the earlier private name
+
+
+def _dtype_warnings(captured: str | None, serving: str | None) -> list[str]:
+    """The capture dtype recorded at export against the dtype the given target runs in (warn, never refuse:
+    the output distribution is the target's whatever the drafter was trained on)."""
+    if captured is None:
+        return [] if serving is None else [f"the head records no capture dtype (exported before draftsmith recorded "
+                                           f"it); the target's dtype {serving!r} was not compared"]
+    if serving is None or serving == captured:
+        return []
+    return [f"dtype differs: the head was trained on the target's {captured!r} hidden states (capture dtype), the "
+            f"target runs in {serving!r}: states in another dtype round differently and acceptance may be lower. Fix: "
+            f"serve the target in {captured} (load it with dtype {captured!r}; vLLM --dtype {captured})"]
 
 
 def validate_head_config(head_config: dict, where: str = "head") -> None:
