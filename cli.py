@@ -5,7 +5,7 @@
     draftsmith capture RECIPE [key=value ...]         # offline hidden-state shards -> runs/NAME/capture
     draftsmith train RECIPE [key=value ...]           # prepare, train, export the drafter -> runs/NAME/head
     draftsmith export RUN_DIR|HEAD --out DIR [--format draftsmith|vllm|sglang|speculators|all ...]
-    draftsmith check HEAD --target T [--allow-mismatch FIELD ...] [--tensor-parallel-size N]
+    draftsmith check HEAD --target T [--dtype D] [--allow-mismatch FIELD ...] [--tensor-parallel-size N]
     draftsmith push HEAD --repo-id ORG/NAME [--private] [--revision BRANCH] [--dry-run]
     draftsmith eval --head HEAD [--target T] [--methods ...] [--drafter LABEL=JSON ...] [--k 5] [--tasks ...]
     draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
@@ -75,8 +75,8 @@ def cmd_check(args) -> int:
     from draftsmith.export.check import check_head
     from draftsmith.models import load_causal_lm
 
-    target, tokenizer = load_causal_lm(args.target, args.revision)
-    report = check_head(args.head, target.config, tokenizer, args.target, allow_mismatch=tuple(args.allow_mismatch),
+    target, tokenizer = load_causal_lm(args.target, args.revision, args.dtype)
+    report = check_head(args.head, target, tokenizer, args.target, allow_mismatch=tuple(args.allow_mismatch),
                         tensor_parallel_size=args.tensor_parallel_size)
     print(report.summary())
     if args.tensor_parallel_size:
@@ -197,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--revision", default=None)
     p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
     p.add_argument("--tensor-parallel-size", type=int, default=None, help="also check sharding over N ranks")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                   help="the dtype the target will serve in (warns when the head was trained on another one)")
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("push", help="upload a checked head directory to the Hugging Face Hub")
     p.add_argument("head")

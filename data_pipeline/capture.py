@@ -26,11 +26,17 @@ class Captured:
 def check_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> tuple[int, int, int]:
     """Validate HF-index aux layer ids against a target of ``num_hidden_layers`` layers.
 
-    Index N would be the final *normed* output in transformers, so valid ids are 0..N-1."""
+    Index N would be the final *normed* output in transformers, so valid ids are 0..N-1; the ids must be
+    strictly ascending, the one order vLLM and SGLang concatenate them in
+    (``heads.eagle3.aux_layer_order_problem``)."""
+    from draftsmith.heads.eagle3 import aux_layer_order_problem
+
     ids = tuple(int(i) for i in aux_layer_ids)
     if len(ids) != 3 or not all(0 <= i < num_hidden_layers for i in ids):
         raise ValueError(f"aux_layer_ids {ids} must be 3 HF hidden-state indices in 0..{num_hidden_layers - 1} "
                          f"(inputs of decoder layers) for a {num_hidden_layers}-layer target")
+    if (problem := aux_layer_order_problem(ids)) is not None:
+        raise ValueError(problem)
     return ids
 
 

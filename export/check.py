@@ -8,11 +8,19 @@ Both refuse (``HeadMismatchError``, a ValueError whose message names the field, 
 fix) when:
 1. ``draftsmith.json`` has a ``format_version`` newer than this runtime, or an unknown aux-layer
    convention; its ``head_config`` holds an unknown field or a norm flag this runtime does not
-   implement (``norm_before_residual: true``);
-2. a weight file listed in the metadata is missing or its sha256 differs (corrupted / modified);
-3. a tensor is missing (e.g. ``lm_head.weight``), unexpected or of the wrong shape for the head's
-   geometry; the draft vocab is reduced (Vd < V) but ``d2t`` is absent; ``d2t`` maps outside [0, V) or
-   maps two draft ids to one target id; ``t2d`` disagrees with ``d2t``;
+   implement (``norm_before_residual: true``); its aux layer ids are not strictly ascending (vLLM and
+   SGLang concatenate the states in layer order, so such a head would be fed another order than it
+   was trained on: ``heads.eagle3.aux_layer_order_problem``); a top-level copy (aux_layer_ids,
+   ttt_steps, draft_vocab_size) disagrees with ``head_config``;
+2. a weight file listed in the metadata is missing or its sha256 differs (corrupted / modified); the
+   metadata lists a file no layout has, or a ``*.safetensors`` in the directory is not listed;
+3. in ANY weight file of the export (the root ``model.safetensors`` and ``speculators/model.safetensors``,
+   each under its layout's names, ``formats.WEIGHT_LAYOUTS``; not only the one loaded): a tensor is
+   missing (e.g. ``lm_head.weight``), unexpected (e.g. ``embed_tokens.weight``), named for another
+   layout or of the wrong shape for the head's geometry; the draft vocab is reduced (Vd < V) but
+   ``d2t`` is absent; ``d2t`` maps outside [0, V), maps two draft ids to one target id or holds target
+   ids instead of offsets (index style); ``t2d`` disagrees with ``d2t``; d2t is not the recorded one;
+   two files hold different tensors (one export is one head);
 4. an engine config in the directory (``config.json``, ``speculators/config.json``) would make vLLM or
    SGLang build another head than the one recorded: another method (architectures /
    ``speculators_model_type``), an unknown or unsupported norm flag, other aux layers in that engine's
@@ -25,7 +33,9 @@ fix) when:
 Step 6 fields can be overridden by name (``allow_mismatch=("tokenizer_sha256",)``, CLI
 ``--allow-mismatch``); overrides are logged, listed in the report with both values
 (``CheckReport.record()``, which ``draftsmith eval`` writes into its report). A different revision or
-chat template only warns. Nothing in steps 1-5 can be overridden: such a head is broken, not foreign.
+chat template, or a target running in another dtype than the head's recorded capture dtype (the dtype
+of the hidden states it was trained on), only warns. Nothing in steps 1-5 can be overridden: such a
+head is broken, not foreign.
 """
 from __future__ import annotations
 
@@ -38,7 +48,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.export.identity import file_sha256, sha256_bytes, target_identity, tensor_sha256
+from draftsmith.export.identity import sha256_bytes, target_identity, tensor_sha256
 from draftsmith.export.metadata import (KNOWN_AUX_CONVENTIONS, METADATA_FILE, HeadMetadata, HeadMismatchError,
                                         read_metadata)
 
@@ -48,13 +58,15 @@ WEIGHTS_FILE = "model.safetensors"
 # Target-identity fields that refuse on mismatch and may be overridden by name.
 OVERRIDABLE_FIELDS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "vocab_size",
                       "architecture_sha256", "tokenizer_sha256")
-# Fields that only warn when they differ.
-WARN_FIELDS = ("revision", "chat_template_sha256")
+# Fields that only warn when they differ. ``dtype``: the capture dtype (export.identity) against the dtype
+# the serving target runs in; states rounded otherwise than in training lower acceptance, never correctness.
+WARN_FIELDS = ("revision", "chat_template_sha256", "dtype")
 
 __all__ = ["CheckReport", "HeadMismatchError", "check_head", "load_eagle3", "compare_target_identity",
            "expected_weight_shapes",
            "validate_vocab_map", "validate_aux_layer_ids", "validate_head_config", "check_engine_configs",
-           "resolve_head_dir", "OVERRIDABLE_FIELDS"]
+           "resolve_head_dir", "OVERRIDABLE_FIELDS", "weight_file_bytes", "check_listed_weight_files",
+           "eagle3_file_state_dict", "check_recorded_copies"]
 
 
 @dataclass
@@ -165,17 +177,39 @@ def validate_vocab_map(d2t: torch.Tensor | None, t2d: torch.Tensor | None, draft
     try:
         validate_map(d2t, t2d)
     except ValueError as e:
+        if _is_index_map(d2t, t2d):
+            raise HeadMismatchError("d2t", f"{where}: d2t holds target ids (index style, target_id = d2t[draft_id]) "
+                                    f"where vLLM and SGLang read offsets (target_id = draft_id + d2t[draft_id]): every "
+                                    f"draft token would be served as another token. Fix: convert it to offsets "
+                                    f"(d2t - arange({draft_vocab_size})) and re-export.") from None
         name = "t2d" if str(e).startswith("t2d") else "d2t"
         raise HeadMismatchError(name, f"{where}: {e} (field {name}). Fix: rebuild the vocab map for this "
                                 f"target and re-export.") from None
 
 
+def _is_index_map(d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
+    """Whether ``d2t`` read as target ids (not offsets) is the map ``t2d`` marks: the index-style d2t some
+    converters write (distinct in-range ids, exactly those of t2d)."""
+    ids = d2t.long()
+    return bool(ids.numel() and int(ids.min()) >= 0 and int(ids.max()) < t2d.numel()
+                and torch.unique(ids).numel() == ids.numel() and bool(t2d[ids].all())
+                and int(t2d.sum()) == ids.numel())
+
+
 def validate_aux_layer_ids(aux_layer_ids, convention: str, num_hidden_layers: int | None,
                            where: str = "head") -> None:
-    """Known convention; ids in the target's range [0, N-1] of HF hidden_states indices."""
+    """Known convention; ids strictly ascending (the layer order vLLM and SGLang concatenate the states
+    in, ``heads.eagle3.aux_layer_order_problem``: a head trained on another order is mis-served by both);
+    with ``num_hidden_layers``, ids in the target's range [0, N-1] of HF hidden_states indices."""
+    from draftsmith.heads.eagle3 import aux_layer_order_problem
+
     if convention not in KNOWN_AUX_CONVENTIONS:
         raise HeadMismatchError("aux_layer_convention", f"{where}: aux_layer_convention {convention!r} is not "
                                 f"one of {KNOWN_AUX_CONVENTIONS}. Fix: upgrade draftsmith or re-export the head.")
+    problem = aux_layer_order_problem(aux_layer_ids)
+    if problem is not None:
+        raise HeadMismatchError("aux_layer_ids", f"{where}: {problem} (this head cannot be served as trained; "
+                                f"a head trained on ascending ids is).")
     if num_hidden_layers is None:
         return
     bad = [i for i in aux_layer_ids if not 0 <= int(i) < num_hidden_layers]
@@ -222,7 +256,8 @@ def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[
 
     Raises HeadMismatchError naming the first differing ``OVERRIDABLE_FIELDS`` field (every refusal is
     listed in the message with both values and the fix) unless it is in ``allow_mismatch``; a
-    different revision or chat template only warns."""
+    different revision, chat template or dtype (the recorded capture dtype against the dtype the target
+    runs in, ``export.identity.target_dtype``) only warns, naming both values."""
     problems, overridden, warnings = [], {}, []
     name = recorded.get("name_or_path")
     for key in OVERRIDABLE_FIELDS:
@@ -252,7 +287,9 @@ def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[
                         f"allow_mismatch=({key!r},) (CLI --allow-mismatch {key}) if you know they are compatible.")
     for key in WARN_FIELDS:
         want, got = recorded.get(key), actual.get(key)
-        if want is not None and got is not None and want != got:
+        if key == "dtype":
+            warnings += _dtype_warnings(want, got)
+        elif want is not None and got is not None and want != got:
             warnings.append(f"{key} differs: head trained with {want!r}, target has {got!r}")
     for w in warnings:
         logger.warning("%s: %s", where, w)
@@ -263,6 +300,19 @@ def compare_target_identity(recorded: dict, actual: dict, allow_mismatch: tuple[
 
 
 _compare_target = compare_target_identity     # the earlier private name
+
+
+def _dtype_warnings(captured: str | None, serving: str | None) -> list[str]:
+    """The capture dtype recorded at export against the dtype the given target runs in (warn, never refuse:
+    the output distribution is the target's whatever the drafter was trained on)."""
+    if captured is None:
+        return [] if serving is None else [f"the head records no capture dtype (exported before draftsmith recorded "
+                                           f"it); the target's dtype {serving!r} was not compared"]
+    if serving is None or serving == captured:
+        return []
+    return [f"dtype differs: the head was trained on the target's {captured!r} hidden states (capture dtype), the "
+            f"target runs in {serving!r}: states in another dtype round differently and acceptance may be lower. Fix: "
+            f"serve the target in {captured} (load it with dtype {captured!r}; vLLM --dtype {captured})"]
 
 
 def validate_head_config(head_config: dict, where: str = "head") -> None:
@@ -332,55 +382,134 @@ def resolve_head_dir(path: str | Path) -> tuple[Path, str | None]:
     return path, None
 
 
+def weight_file_bytes(root: Path, rel: str, want: str, where: str) -> bytes:
+    """The bytes of weight file ``root/rel``, read once and hashed (what is verified is what is parsed).
+
+    Raises HeadMismatchError (field ``weights``) when the file is missing or its sha256 is not ``want``."""
+    path = root / rel
+    if not path.is_file():
+        raise HeadMismatchError("weights", f"{where}: weights: file {rel} is missing. Fix: re-export or "
+                                f"re-download the head directory.")
+    data = path.read_bytes()
+    got = sha256_bytes(data)
+    if got != want:
+        raise HeadMismatchError("weights", f"{where}: weights: sha256 of {rel} is {got}, draftsmith.json "
+                                f"records {want}: the file is corrupted or was modified after export. "
+                                f"Fix: re-export or re-download the head.")
+    return data
+
+
+def check_listed_weight_files(root: Path, meta: HeadMetadata, layout_files, where: str, what: str,
+                              on_disk=("*.safetensors",)) -> None:
+    """draftsmith.json lists only weight files the layout has (``layout_files``: a collection of relative
+    paths, or a predicate on one), and every weight file found in the directory (glob patterns
+    ``on_disk``) is listed: an unlisted file would be served unchecked, a listed one no layout has would
+    be checked by nothing. Raises HeadMismatchError (field ``weights``) naming the files."""
+    known = layout_files if callable(layout_files) else (lambda rel: rel in layout_files)
+    foreign = sorted(rel for rel in meta.weights if not known(rel))
+    if foreign:
+        raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists {', '.join(foreign)}, which "
+                                f"the {what} layout does not have: nothing reads or checks such a file. Fix: "
+                                f"re-export the head with draftsmith; never add files to an export by hand.")
+    found = sorted({str(p.relative_to(root)) for pattern in on_disk for p in root.glob(pattern) if p.is_file()})
+    unlisted = [rel for rel in found if rel not in meta.weights]    # vLLM's loader reads every *.safetensors
+    if unlisted:
+        raise HeadMismatchError("weights", f"{where}: weights: {', '.join(unlisted)} in the directory but not in "
+                                f"draftsmith.json: an engine would serve it unchecked. Fix: re-export the head "
+                                f"(or delete the file if it is not part of it).")
+
+
+def eagle3_file_state_dict(data: bytes, rel: str, meta: HeadMetadata, at: str) -> dict[str, torch.Tensor]:
+    """Weight file ``rel`` of an EAGLE-3 export (``formats.WEIGHT_LAYOUTS``), parsed and checked as its layout
+    implies; returned under our export names (``midlayer.*``). ``at`` names the file in messages.
+
+    Refuses (HeadMismatchError): an unparsable file; names of another layout (``midlayer.*`` in the
+    speculators file); a missing, unexpected or misshapen tensor (``validate_state_dict``); a d2t that is
+    no offset map (index style: target ids) or t2d disagreeing with it; a d2t other than the recorded one."""
+    from safetensors.torch import load as load_safetensors
+
+    from draftsmith.export.formats import WEIGHT_LAYOUTS, export_names
+
+    try:
+        raw = load_safetensors(data)
+    except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
+        raise HeadMismatchError("weights", f"{at}: weights: the file cannot be read ({e}). Fix: re-export.") from e
+    sd, misnamed = export_names(raw, rel)
+    if misnamed:
+        raise HeadMismatchError("weights", f"{at}: weights: tensor(s) {', '.join(misnamed[:4])}"
+                                f"{' ...' if len(misnamed) > 4 else ''} are named for another layout; this file's "
+                                f"layout names the decoder layer {WEIGHT_LAYOUTS[rel]}*. Fix: re-export with "
+                                f"`draftsmith export`; never convert an exported file by hand.")
+    validate_state_dict(sd, meta.head_config, at)
+    got_d2t = tensor_sha256(sd["d2t"]) if "d2t" in sd else None
+    if got_d2t != meta.d2t_sha256:
+        raise HeadMismatchError("d2t_sha256", f"{at}: d2t_sha256: the d2t tensor hashes to {got_d2t}, "
+                                f"draftsmith.json records {meta.d2t_sha256}. Fix: re-export the head.")
+    return sd
+
+
+def check_recorded_copies(meta: HeadMetadata, fields: dict[str, str], where: str) -> None:
+    """Top-level copies in draftsmith.json equal the ``head_config`` field they restate (``fields``: top-level
+    name -> head_config name; a head_config without the field is not compared). Tools read either copy
+    (the model card and the runtime the top level, the loader head_config), so two values would mean
+    two heads. Raises HeadMismatchError naming the field and both values."""
+    for top, inner in fields.items():
+        recorded, configured = getattr(meta, top), meta.head_config.get(inner, getattr(meta, top))
+        if isinstance(recorded, (list, tuple)) or isinstance(configured, (list, tuple)):
+            recorded, configured = list(recorded or []), list(configured or [])
+        if recorded != configured:
+            raise HeadMismatchError(top, f"{where}: {top}: draftsmith.json records {recorded!r}, its head_config "
+                                    f"{inner} {configured!r}. Fix: re-export the head; never edit draftsmith.json "
+                                    f"by hand.")
+
+
+def _check_same_head(digests: dict[str, dict[str, str]], ref: str, root: Path) -> None:
+    """Every weight file holds the tensors of ``ref`` (per-tensor sha256 ``digests[rel]``): one export, one head."""
+    for rel, digest in sorted(digests.items()):
+        differ = sorted(k for k in digest if digest[k] != digests[ref].get(k))
+        if differ:
+            raise HeadMismatchError("weights", f"{root / rel}: weights: {', '.join(differ[:4])}"
+                                    f"{' ...' if len(differ) > 4 else ''} hold other values than in {ref}; every "
+                                    f"weight file of an export holds the one head draftsmith.json describes. Fix: "
+                                    f"re-export the head with `draftsmith export --format all`.")
+
+
 def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_path: str | None,
            allow_mismatch, tensor_parallel_size: int | None = None) -> tuple[CheckReport, dict[str, torch.Tensor]]:
     """All checks of the module docstring; returns the report and the verified state dict (of the format
     sub-directory's own weight file when ``head_dir`` is one, under our export names)."""
-    from safetensors.torch import load as load_safetensors
+    from draftsmith.export.formats import WEIGHT_LAYOUTS
 
     given = Path(head_dir)
     head_dir, sub = resolve_head_dir(given)
     allow_mismatch = check_allow_mismatch(allow_mismatch)
     meta = read_metadata(head_dir)
     where = str(given)
-    # 1. the recorded head is one this runtime implements
+    # 1. the recorded head is one this runtime implements (and the engines serve: aux ids in layer order)
     validate_head_config(meta.head_config, where)
-    # 2. weight files: present, sha256 as recorded (the loaded file is read once, hashed, then parsed)
+    validate_aux_layer_ids(meta.head_config.get("aux_layer_ids", meta.aux_layer_ids), meta.aux_layer_convention,
+                           None, where)
+    check_recorded_copies(meta, {"aux_layer_ids": "aux_layer_ids", "ttt_steps": "ttt_steps",
+                                 "draft_vocab_size": "draft_vocab_size"}, where)
+    # 2-3. every weight file: listed and of a known layout, present, sha256 as recorded, then its tensors as
+    # its layout implies; all files hold the same head. Each file is read once, hashed, then parsed.
     load_rel = f"{sub}/{WEIGHTS_FILE}" if sub else WEIGHTS_FILE
     if load_rel not in meta.weights:
         raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no {load_rel}. "
                                 f"Fix: re-export{f' with --format {sub}' if sub else ''}.")
-    data = b""
+    check_listed_weight_files(head_dir, meta, WEIGHT_LAYOUTS, where, "EAGLE-3 export",
+                              on_disk=tuple({str(Path(rel).parent / "*.safetensors") for rel in WEIGHT_LAYOUTS}))
+    sd, digests = None, {}
     for rel, want in sorted(meta.weights.items()):
-        path = head_dir / rel
-        if not path.is_file():
-            raise HeadMismatchError("weights", f"{where}: weights: file {rel} is missing. Fix: re-export or "
-                                    f"re-download the head directory.")
+        data = weight_file_bytes(head_dir, rel, want, where)
+        file_sd = eagle3_file_state_dict(data, rel, meta, str(head_dir / rel))
+        if len(meta.weights) > 1:
+            digests[rel] = {k: tensor_sha256(v) for k, v in file_sd.items()}
         if rel == load_rel:
-            data = path.read_bytes()
-            got = sha256_bytes(data)
-        else:
-            got = file_sha256(path)
-        if got != want:
-            raise HeadMismatchError("weights", f"{where}: weights: sha256 of {rel} is {got}, draftsmith.json "
-                                    f"records {want}: the file is corrupted or was modified after export. "
-                                    f"Fix: re-export or re-download the head.")
-    try:
-        sd = load_safetensors(data)
-    except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
-        raise HeadMismatchError("weights", f"{where}: weights: {load_rel} cannot be read ({e}). "
-                                f"Fix: re-export.") from e
-    if sub:   # speculators layout: layers.0.* -> our midlayer.*
-        sd = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in sd.items()}
-    # 3. tensors against the geometry; d2t against its recorded hash
-    validate_state_dict(sd, meta.head_config, where)
-    got_d2t = tensor_sha256(sd["d2t"]) if "d2t" in sd else None
-    if got_d2t != meta.d2t_sha256:
-        raise HeadMismatchError("d2t_sha256", f"{where}: d2t_sha256: the d2t tensor hashes to {got_d2t}, "
-                                f"draftsmith.json records {meta.d2t_sha256}. Fix: re-export the head.")
-    if list(meta.aux_layer_ids) != list(meta.head_config.get("aux_layer_ids", meta.aux_layer_ids)):
-        raise HeadMismatchError("aux_layer_ids", f"{where}: aux_layer_ids {meta.aux_layer_ids} disagree with "
-                                f"head_config {meta.head_config.get('aux_layer_ids')}. Fix: re-export the head.")
+            sd = file_sd
+        del data, file_sd
+    if digests:
+        _check_same_head(digests, load_rel, head_dir)
     # 6. target identity first (its message names the field that differs), then 5. aux layers in range
     actual, overridden, warnings = check_recorded_target(meta, target_config, tokenizer, name_or_path,
                                                          allow_mismatch, where)

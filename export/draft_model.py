@@ -27,7 +27,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from draftsmith.export.check import CheckReport, check_allow_mismatch, check_recorded_target
+from draftsmith.export.check import (WEIGHTS_FILE, CheckReport, check_allow_mismatch, check_listed_weight_files,
+                                     check_recorded_target)
 from draftsmith.export.identity import config_dict, file_sha256
 from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_metadata
 
@@ -37,6 +38,7 @@ __all__ = ["HEAD_TYPE", "draft_head_config", "export_draft_model", "check_draft_
            "reexport_draft_model"]
 
 HEAD_TYPE = "draft_model"
+INDEX_FILE = "model.safetensors.index.json"      #: transformers' shard index (tensor -> file), when sharded
 #: config fields recorded as the draft's geometry in draftsmith.json ``head_config``
 GEOMETRY_FIELDS = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "intermediate_size",
                    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
@@ -92,14 +94,129 @@ def export_draft_model(model, tokenizer, out_dir: str | Path, target_identity: d
     return out_dir
 
 
+def expected_lm_tensors(model_dir: Path, where: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """(tensor name -> shape, names that may be absent) of the causal LM that ``model_dir/config.json``
+    builds: the model is instantiated on the meta device (no memory, no weights read), as transformers
+    would before loading. The names that may be absent are tied copies (``all_tied_weights_keys``, e.g.
+    ``lm_head.weight`` under ``tie_word_embeddings``), which ``save_pretrained`` leaves out.
+
+    Raises HeadMismatchError (field ``config``) when transformers cannot build the model from the config."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as e:  # noqa: BLE001 - any failure here is a directory transformers cannot load either
+        raise HeadMismatchError("config", f"{where}: config: transformers cannot build a causal LM from config.json "
+                                f"({type(e).__name__}: {e}); the loader could not either. Fix: re-export.") from None
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    return shapes, set(getattr(model, "all_tied_weights_keys", None) or {})
+
+
+def _weight_file_tensors(model_dir: Path, rel: str) -> dict[str, tuple[int, ...]]:
+    """name -> shape from a safetensors file's header (no tensor data read); HeadMismatchError if unreadable."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(model_dir / rel), "pt") as f:
+            return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
+        raise HeadMismatchError("weights", f"{model_dir / rel}: weights: the file cannot be read ({e}). "
+                                "Fix: re-export.") from None
+
+
+def _weight_map(model_dir: Path, meta: HeadMetadata, where: str) -> dict[str, str] | None:
+    """The shard index's ``weight_map`` (tensor -> file), None for a single ``model.safetensors``; refuses an
+    index naming other files than draftsmith.json lists, and several files without an index (transformers
+    would read ``model.safetensors`` alone)."""
+    import json
+
+    listed = sorted(meta.weights)
+    path = model_dir / INDEX_FILE
+    if not path.is_file():
+        if listed != [WEIGHTS_FILE]:
+            raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists {', '.join(listed)} but there "
+                                    f"is no {INDEX_FILE}: transformers and vLLM would not load them as one model. "
+                                    "Fix: re-export the draft model.")
+        return None
+    try:
+        weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise HeadMismatchError("weights", f"{path}: weights: the shard index cannot be read ({e}). "
+                                "Fix: re-export.") from None
+    files = sorted(set(weight_map.values()))
+    if files != listed:
+        raise HeadMismatchError("weights", f"{path}: weights: the shard index names {', '.join(files)}, "
+                                f"draftsmith.json lists {', '.join(listed)}. Fix: re-export the draft model.")
+    return weight_map
+
+
+def _check_recorded_geometry(meta: HeadMetadata, config: dict, where: str) -> None:
+    """draftsmith.json ``head_config`` (``GEOMETRY_FIELDS`` recorded at export) equals what config.json says,
+    read as at export (``config_dict``): another geometry is another draft than the one recorded."""
+    built = config_dict(config)
+    differ = [f"{k}: draftsmith.json {v!r}, config.json {built.get(k)!r}" for k, v in meta.head_config.items()
+              if k in GEOMETRY_FIELDS and k != "architectures" and built.get(k) != v]
+    if built.get("architectures") and list(built["architectures"]) != list(meta.head_config.get("architectures") or []):
+        differ.append(f"architectures: draftsmith.json {meta.head_config.get('architectures')!r}, config.json "
+                      f"{built['architectures']!r}")
+    if differ:
+        raise HeadMismatchError("head_config", f"{where}: head_config: config.json describes another draft than "
+                                f"draftsmith.json records ({'; '.join(differ)}). Fix: re-export; never edit an "
+                                "exported config by hand.")
+
+
+def check_draft_weights(model_dir: Path, meta: HeadMetadata, where: str) -> None:
+    """Step 3 of a draft model: every weight file's tensors against what config.json builds
+    (``expected_lm_tensors``), as transformers would load them (its missing tensors are initialised at
+    random with only a warning, so a file missing one is refused here): every tensor present once, in
+    the file the shard index names (``model.safetensors.index.json``, when sharded), none unexpected,
+    each of its shape. The files' hashes are checked before (``check_draft_model``).
+
+    Raises HeadMismatchError (field ``weights``, or ``config``) naming the file and the tensors."""
+    check_listed_weight_files(model_dir, meta, lambda rel: "/" not in rel and rel.endswith(".safetensors"), where,
+                              "draft model (save_pretrained)")
+    weight_map = _weight_map(model_dir, meta, where)
+    found: dict[str, tuple[str, tuple[int, ...]]] = {}
+    for rel in sorted(meta.weights):
+        for name, shape in _weight_file_tensors(model_dir, rel).items():
+            if name in found:
+                raise HeadMismatchError("weights", f"{model_dir / rel}: weights: {name} is also in {found[name][0]}. "
+                                        "Fix: re-export the draft model.")
+            found[name] = (rel, shape)
+    if weight_map is not None:
+        for name in sorted(set(weight_map) | set(found)):
+            mapped, held = weight_map.get(name), found.get(name, (None,))[0]
+            if mapped != held:
+                raise HeadMismatchError("weights", f"{model_dir / INDEX_FILE}: weights: the shard index maps {name} "
+                                        f"to {mapped or 'no file'}, it is in {held or 'no file'}: the loader would "
+                                        "miss it. Fix: re-export the draft model.")
+    expected, tied = expected_lm_tensors(model_dir, where)
+    missing = sorted(set(expected) - set(found) - tied)
+    unexpected = sorted(set(found) - set(expected))
+    misshapen = [f"{n} {found[n][1]} (config.json builds {expected[n]})" for n in sorted(set(found) & set(expected))
+                 if found[n][1] != expected[n]]
+    for problem, names in (("missing tensor(s)", missing), ("unexpected tensor(s)", unexpected),
+                           ("misshapen tensor(s)", misshapen)):
+        if names:
+            files = sorted({found[n.split()[0]][0] for n in names if n.split()[0] in found}) or sorted(meta.weights)
+            raise HeadMismatchError("weights", f"{where}: weights: {', '.join(files)}: {problem} "
+                                    f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''} for the model "
+                                    "config.json describes. Fix: re-export the draft model; config and weights "
+                                    "disagree.")
+
+
 def check_draft_model(model_dir: str | Path, target_config: Any = None, tokenizer: Any = None,
                       name_or_path: str | None = None, allow_mismatch=()) -> CheckReport:
     """Check an exported draft-model directory, and its fit to a target when one is given.
 
     Refuses (``HeadMismatchError`` naming the field, both values and the fix): a head_type other than
     draft_model; a weight file listed in draftsmith.json missing or with another sha256; no config.json,
-    or one whose vocab_size differs from the recorded draft vocab; with ``target_config`` (a model,
-    config or dict): the target identity fields of ``export.check.OVERRIDABLE_FIELDS`` (overridable by
+    or one whose vocab_size differs from the recorded draft vocab, or whose geometry differs from the
+    recorded ``head_config``; weight files whose tensors are not those config.json builds, or an unlisted
+    ``*.safetensors`` (:func:`check_draft_weights`); with ``target_config`` (a model, config or dict): the target identity fields of ``export.check.OVERRIDABLE_FIELDS`` (overridable by
     name through ``allow_mismatch``, shared with EAGLE-3 heads: ``compare_target_identity``) and a
     target vocabulary other than the draft's (never overridable). Returns the ``CheckReport``.
 
@@ -135,6 +252,8 @@ def check_draft_model(model_dir: str | Path, target_config: Any = None, tokenize
         raise HeadMismatchError("draft_vocab_size", f"{where}: draft_vocab_size: config.json has vocab_size "
                                 f"{text.get('vocab_size')}, draftsmith.json records {meta.draft_vocab_size}. Fix: "
                                 "re-export; never edit an exported config by hand.")
+    _check_recorded_geometry(meta, config, where)
+    check_draft_weights(model_dir, meta, where)
     actual, overridden, warnings = check_recorded_target(meta, target_config, tokenizer, name_or_path,
                                                          allow_mismatch, where, what="draft")
     if actual is not None and actual.get("vocab_size") != meta.draft_vocab_size:

@@ -32,7 +32,10 @@ vLLM, ``method: eagle3`` on a research config:
   - aux layers: ``vllm/v1/worker/gpu_model_runner.py`` (``_get_eagle3_aux_layers_from_config``): top-level
     ``eagle_aux_hidden_state_layer_ids`` as HF ``hidden_states`` indices; when absent,
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` taken as they are; else the target's default
-    (2, N//2, N-3) (``vllm/model_executor/models/interfaces.py``);
+    (2, N//2, N-3) (``vllm/model_executor/models/interfaces.py``). The states are collected while the
+    target iterates its layers (``vllm/model_executor/models/llama.py``: ``if idx in
+    self.aux_hidden_state_layers``), so fc receives them in layer order, a repeated id once
+    (``layer_order``), whatever the list's order;
   - ``vllm/model_executor/models/llama_eagle3.py``: ``norm_before_residual`` (default false),
     ``eagle_config.norm_before_fc`` else top-level (default false), ``fc_norm``, ``norm_output`` (default
     false), ``eagle_config.use_aux_hidden_state`` (default true), ``target_hidden_size`` (default
@@ -43,7 +46,8 @@ SGLang, ``--speculative-algorithm EAGLE3``:
   - aux layers: ``python/sglang/srt/model_executor/model_runner.py`` reads only
     ``eagle_config.eagle_aux_hidden_state_layer_ids`` (and ``eagle_config.use_aux_hidden_state``);
     ``python/sglang/srt/models/llama.py`` (``set_eagle3_layers_to_capture``) adds one, and captures the
-    input of those layers: SGLang id i is HF index i + 1. No ``eagle_config``: default (2, N//2, N-3);
+    input of those layers: SGLang id i is HF index i + 1. No ``eagle_config``: default (2, N//2, N-3).
+    Captured in layer order too (``if i in self.layers_to_capture`` while iterating the layers);
   - ``python/sglang/srt/models/llama_eagle3.py``: ``fc`` input = 3 * ``target_hidden_size`` whenever the
     key exists (null crashes), ``fc`` bias when a key ``bias`` is truthy; ``tie_word_embeddings: true``
     makes ``lm_head`` the embedding; ``draft_vocab_size`` null loads the target's lm_head; the residual is
@@ -186,9 +190,30 @@ def speculators_config(hc: dict, target_cfg: dict, verifier: dict, speculative_t
     }
 
 
+# Weight file of each layout, relative to the export root, and the prefix it gives the decoder layer's
+# tensors: the research layout (vllm, sglang; SGLang loads ``midlayer.*`` only) and the speculators one.
+WEIGHT_LAYOUTS = {"model.safetensors": "midlayer.", f"{SPECULATORS_DIR}/model.safetensors": "layers.0."}
+
+
 def speculators_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Our exported names -> the speculators layout (``midlayer.`` -> ``layers.0.``)."""
     return {k.replace("midlayer.", "layers.0.", 1): v for k, v in sd.items()}
+
+
+def export_names(sd: dict[str, Any], rel: str) -> tuple[dict[str, Any], list[str]]:
+    """Weight file ``rel``'s tensors (``WEIGHT_LAYOUTS``) under our export names (``midlayer.*``, DESIGN
+    §6), and the names that carry another layout's decoder prefix (``midlayer.x`` in the speculators
+    file, ``layers.0.x`` in the research one): the file was not written in its own layout.
+
+    Raises KeyError for a file no layout has."""
+    prefix = WEIGHT_LAYOUTS[rel]
+    others = tuple(p for p in set(WEIGHT_LAYOUTS.values()) if p != prefix)
+    out, misnamed = {}, []
+    for name, t in sd.items():
+        if name.startswith(others):
+            misnamed.append(name)
+        out["midlayer." + name[len(prefix):] if name.startswith(prefix) else name] = t
+    return out, sorted(misnamed)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -198,9 +223,10 @@ def speculators_weights(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class EngineView:
     """What one engine builds from a config: the fields that decide how the head computes.
 
-    ``aux_layer_ids`` are HF ``hidden_states`` indices (None: the engine's default for the target,
-    (2, N//2, N-3)); ``weight_prefixes``: decoder-layer tensor prefixes the engine loads (others are
-    dropped); ``problems``: (field, message) for configs the engine refuses or crashes on."""
+    ``aux_layer_ids`` are HF ``hidden_states`` indices in the order the engine concatenates their states
+    (``layer_order``; None: the engine's default for the target, (2, N//2, N-3)); ``weight_prefixes``:
+    decoder-layer tensor prefixes the engine loads (others are dropped); ``problems``: (field, message)
+    for configs the engine refuses or crashes on."""
 
     engine: str
     method: str | None
@@ -219,6 +245,19 @@ class EngineView:
     weight_prefixes: tuple[str, ...]
     num_speculative_tokens: int | None = None
     problems: list[tuple[str, str]] = field(default_factory=list)
+
+
+def layer_order(aux_layer_ids) -> tuple[int, ...]:
+    """The aux layers in the order vLLM and SGLang concatenate their states: ascending, each layer once
+    (both collect them while iterating the target's layers; module docstring). A head's ids are served
+    as trained only when they already are in this order (``heads.eagle3.aux_layer_order_problem``)."""
+    return tuple(sorted({int(i) for i in aux_layer_ids}))
+
+
+def default_engine_aux_layers(num_hidden_layers: int) -> tuple[int, ...]:
+    """What vLLM and SGLang capture when a config names no aux layers: (2, N//2, N-3) in layer order."""
+    n = int(num_hidden_layers)
+    return layer_order((2, n // 2, n - 3))
 
 
 def _method_of_architectures(archs) -> str | None:
@@ -257,7 +296,7 @@ def _vllm_research_view(cfg: dict) -> EngineView:
         num_hidden_layers=cfg.get("num_hidden_layers"),
         target_hidden_size=cfg.get("target_hidden_size") or cfg.get("hidden_size"),
         draft_vocab_size=cfg.get("draft_vocab_size") or cfg.get("vocab_size"),
-        aux_layer_ids=tuple(int(i) for i in ids) if ids else None, aux_source=source,
+        aux_layer_ids=layer_order(ids) if ids else None, aux_source=source,
         norm_flags={"norm_before_residual": bool(cfg.get("norm_before_residual", False)),
                     "norm_before_fc": bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
                     "fc_norm": bool(cfg.get("fc_norm", False)), "norm_output": bool(cfg.get("norm_output", False))},
@@ -266,7 +305,7 @@ def _vllm_research_view(cfg: dict) -> EngineView:
         tie_word_embeddings=False,   # Eagle3LlamaForCausalLM always builds its own lm_head
         rope=_rope(cfg), max_position_embeddings=cfg.get("max_position_embeddings"),
         weight_prefixes=("midlayer.", "layers.0."))
-    n_aux = cfg.get("num_aux_hidden_states") or (len(view.aux_layer_ids) if view.aux_layer_ids else 3)
+    n_aux = cfg.get("num_aux_hidden_states") or (len(ids) if ids else 3)         # fc's width, from the list
     if n_aux != 3:
         view.problems.append(("num_aux_hidden_states", f"vLLM sizes fc for {n_aux} aux states, an EAGLE-3 "
                                                        f"head has 3"))
@@ -284,7 +323,7 @@ def _sglang_view(cfg: dict) -> EngineView:
         geometry=_geometry(cfg), num_hidden_layers=cfg.get("num_hidden_layers"),
         target_hidden_size=cfg["target_hidden_size"] if "target_hidden_size" in cfg else cfg.get("hidden_size"),
         draft_vocab_size=cfg.get("draft_vocab_size"),     # null: SGLang serves the target's lm_head instead
-        aux_layer_ids=tuple(int(i) + 1 for i in ids) if ids is not None else None,
+        aux_layer_ids=layer_order(int(i) + 1 for i in ids) if ids is not None else None,
         aux_source="eagle_config.eagle_aux_hidden_state_layer_ids + 1" if ids is not None
         else "default (2, N//2, N-3)",
         norm_flags={"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False},
@@ -322,7 +361,7 @@ def _speculators_view(cfg: dict) -> EngineView:
         engine="speculators", method=method, geometry=_geometry(layer), num_hidden_layers=layer.get("num_hidden_layers"),
         target_hidden_size=cfg.get("target_hidden_size") or layer.get("hidden_size"),
         draft_vocab_size=cfg.get("draft_vocab_size") or layer.get("vocab_size"),
-        aux_layer_ids=tuple(int(i) for i in ids) if ids else None,
+        aux_layer_ids=layer_order(ids) if ids else None,
         aux_source="eagle_aux_hidden_state_layer_ids" if ids else "default (2, N//2, N-3)",
         norm_flags={"norm_before_residual": bool(cfg.get("norm_before_residual", True)),   # algos.py: default TRUE
                     "norm_before_fc": bool(cfg.get("norm_before_fc", False)),
@@ -401,10 +440,10 @@ def engine_problems(engine: str, cfg: dict, head_config: dict, head_type: str = 
                " (SGLang serves the target's lm_head when it is null)" if engine == "sglang" else "")
     aux, want_aux = v.aux_layer_ids, tuple(int(i) for i in head_config["aux_layer_ids"])
     if aux is None and target_num_layers is not None:
-        n = int(target_num_layers)
-        aux = (2, n // 2, n - 3)
-    if aux != want_aux:
-        differ("aux_layer_ids", aux, want_aux, f" (HF hidden_states index, from {v.aux_source})")
+        aux = default_engine_aux_layers(target_num_layers)
+    if aux != want_aux:      # the engine's concatenation order against the fc's trained column order
+        differ("aux_layer_ids", aux, want_aux, f" (HF hidden_states index in the order the engine concatenates "
+                                               f"the states: layer order; from {v.aux_source})")
     if not v.use_aux_hidden_state:
         differ("use_aux_hidden_state", False, True)
     for key, on in v.biases.items():
@@ -421,14 +460,28 @@ def engine_problems(engine: str, cfg: dict, head_config: dict, head_type: str = 
     return out
 
 
+def _listed_aux_ids(engine: str, cfg: dict) -> list[int] | None:
+    """The aux ids exactly as the config lists the ones ``engine`` reads, in HF numbering (None: default)."""
+    if engine == "sglang":
+        eagle = cfg.get("eagle_config")
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle, dict) else None
+        return [int(i) + 1 for i in ids] if ids is not None else None
+    ids = cfg.get("eagle_aux_hidden_state_layer_ids")
+    if not ids and engine == "vllm":
+        ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return [int(i) for i in ids] if ids else None
+
+
 def read_engine_dir(path: str | Path, engine: str, target_num_layers: int | None = None,
                     head_type: str = "eagle3") -> tuple[dict, dict[str, torch.Tensor]]:
     """Read ``path`` (config.json + model.safetensors) the way ``engine`` reads it: returns
     (``Eagle3Config``-style dict, state dict under our export names). No draftsmith.json is needed.
 
     Raises ``HeadMismatchError`` (field and reason) when the engine would build a head draftsmith's
-    runtime does not (a norm flag we do not implement, a bias, ...) or would drop weights: what this
-    returns is exactly what the engine computes with. Tensor shapes and the vocab map are checked."""
+    runtime does not (a norm flag we do not implement, a bias, ...), would drop weights, or would
+    concatenate the aux states in another order than the config lists them (not ascending: the list
+    is the only record of the order the fc was trained on): what this returns is exactly what the
+    engine computes with. Tensor shapes and the vocab map are checked."""
     from safetensors.torch import load_file
 
     from draftsmith.export.check import validate_state_dict
@@ -445,8 +498,14 @@ def read_engine_dir(path: str | Path, engine: str, target_num_layers: int | None
             raise HeadMismatchError("aux_layer_ids", f"{path}: {ENGINE_NAMES[engine]} would use its default aux "
                                     f"layers (2, N//2, N-3); pass target_num_layers to resolve them. Fix: write "
                                     f"the ids explicitly (draftsmith export does).")
-        n = int(target_num_layers)
-        aux = (2, n // 2, n - 3)
+        aux = default_engine_aux_layers(target_num_layers)
+    listed = _listed_aux_ids(engine, cfg)
+    if listed is not None and tuple(listed) != aux:   # the config is the only record of the fc's column order
+        raise HeadMismatchError("aux_layer_ids", f"{path}: aux_layer_ids: the config lists {list(listed)} (HF "
+                                f"hidden_states index, {v.aux_source}), {ENGINE_NAMES[engine]} concatenates the "
+                                f"states in layer order {aux}: the fc was trained on one order and would be fed "
+                                f"another. Fix: retrain the head with ascending ids {list(aux)} (or permute fc's "
+                                f"column blocks into layer order) and re-export it.")
     hc = {**{k: g[k] for k in GEOMETRY_KEYS}, "draft_vocab_size": v.draft_vocab_size or g["vocab_size"],
           "aux_layer_ids": list(aux), "rope_theta": float(rope_theta), "rope_scaling": rope_scaling,
           "max_position_embeddings": int(v.max_position_embeddings or 2048),

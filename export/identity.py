@@ -11,7 +11,13 @@ A head only works on the target whose hidden states it learned, so an export rec
   (token, id) and their roles (bos/eos/pad/unk/...). BPE merges are not hashed: the same tokenizer
   serialised by two library versions must not look different, and a different merge table with an
   identical vocabulary has not been seen in practice;
-- ``chat_template_sha256``: sha256 of the chat template text (None when the tokenizer has none).
+- ``chat_template_sha256``: sha256 of the chat template text (None when the tokenizer has none);
+- ``dtype``: the dtype the target computes in (``target_dtype``: its parameters' for a loaded model).
+  In a drafter's draftsmith.json this is the CAPTURE dtype, the dtype of the target hidden states
+  (or logits) it was trained on: online training runs the target as loaded, and offline training
+  refuses a target in another dtype than its shards' (``ShardReader.check_target``). A serving target
+  in another dtype only warns (``export.check.compare_target_identity``); records written before this
+  field existed lack it (not compared, a note says so).
 
 Canonical JSON: ``json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``
 encoded as UTF-8. Changing any of these definitions needs a new metadata ``format_version``.
@@ -118,6 +124,24 @@ def chat_template_sha256(tokenizer: Any) -> str | None:
     return sha256_bytes(data)
 
 
+def target_dtype(model_or_config: Any) -> str | None:
+    """The dtype a target computes in, by name (``"bfloat16"``): its parameters' dtype for a model; for a
+    config (object or dict) its ``dtype`` / ``torch_dtype`` field, which transformers sets to the dtype a
+    model was loaded in (``from_pretrained(dtype=...)``); None when unknown (a config built in memory, "auto")."""
+    parameters = getattr(model_or_config, "parameters", None)
+    if callable(parameters):
+        first = next(iter(parameters()), None)
+        if first is not None:
+            return str(first.dtype).removeprefix("torch.")
+    obj = getattr(model_or_config, "config", model_or_config)
+    if isinstance(obj, dict):
+        value = obj.get("dtype") or obj.get("torch_dtype")
+    else:
+        value = getattr(obj, "dtype", None)
+    name = str(value).removeprefix("torch.") if value is not None else None
+    return None if name in (None, "", "auto") else name
+
+
 def target_identity(model_or_config: Any, tokenizer: Any = None, name_or_path: str | None = None,
                     revision: str | None = None) -> dict:
     """The identity record of a target (see module docstring); ``tokenizer`` may be None (hashes null).
@@ -142,6 +166,7 @@ def target_identity(model_or_config: Any, tokenizer: Any = None, name_or_path: s
         "architecture_sha256": sha256_bytes(canonical_json(arch)),
         "tokenizer_sha256": tokenizer_sha256(tokenizer) if tokenizer is not None else None,
         "chat_template_sha256": chat_template_sha256(tokenizer) if tokenizer is not None else None,
+        "dtype": target_dtype(model_or_config),
     }
 
 

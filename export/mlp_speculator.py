@@ -25,8 +25,10 @@ against 0.32 is (tests/test_mlp_speculator.py, opt-in marker ``vllm``): vLLM's o
 built from this config.json loads every tensor of model.safetensors and computes the same stage logits.
 
 Checks (``check_mlp_speculator``; refusals are ``HeadMismatchError`` naming the field, both values and
-the fix): format_version and head_type; the head config builds (no unknown field, no ``tie_weights``);
-the weight file's sha256 as recorded; every tensor present with its shape; config.json read as vLLM
+the fix): format_version and head_type; the head config builds (no unknown field, no ``tie_weights``)
+and the recorded draft_vocab_size is its vocab_size; draftsmith.json lists model.safetensors and no
+other weight file, and no unlisted ``*.safetensors`` lies in the directory; the weight file's sha256 as
+recorded; every tensor present with its shape, none other; config.json read as vLLM
 reads it equals the recorded head; the target's identity as ``export.check`` compares it (overridable
 fields, warnings); the head's emb_dim / vocab_size equal the target's hidden size / vocab (never
 overridable: such a head cannot run).
@@ -40,8 +42,9 @@ from typing import Any
 
 import torch
 
-from draftsmith.export.check import WEIGHTS_FILE, CheckReport, check_allow_mismatch, check_recorded_target
-from draftsmith.export.identity import file_sha256, sha256_bytes
+from draftsmith.export.check import (WEIGHTS_FILE, CheckReport, check_allow_mismatch, check_listed_weight_files,
+                                     check_recorded_copies, check_recorded_target, weight_file_bytes)
+from draftsmith.export.identity import file_sha256
 from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_json_atomic, write_metadata
 from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig, expected_weight_shapes
 
@@ -130,31 +133,28 @@ def _head_config(meta: HeadMetadata, where: str) -> MLPSpeculatorConfig:
 
 def _verified_state_dict(head_dir: Path, meta: HeadMetadata, hc: MLPSpeculatorConfig,
                          where: str) -> dict[str, torch.Tensor]:
-    """The weight file hashed and parsed from the same bytes, every tensor checked against the geometry."""
+    """The weight file hashed and parsed from the same bytes, every tensor checked against the geometry;
+    draftsmith.json lists that one file and no other (``check_listed_weight_files``)."""
     from safetensors.torch import load as load_safetensors
 
-    path = head_dir / WEIGHTS_FILE
     if WEIGHTS_FILE not in meta.weights:
         raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no {WEIGHTS_FILE}. "
                                 "Fix: re-export.")
-    if not path.is_file():
-        raise HeadMismatchError("weights", f"{where}: weights: file {WEIGHTS_FILE} is missing. Fix: re-export or "
-                                f"re-download the head directory.")
-    data = path.read_bytes()
-    got = sha256_bytes(data)
-    if got != meta.weights[WEIGHTS_FILE]:
-        raise HeadMismatchError("weights", f"{where}: weights: sha256 of {WEIGHTS_FILE} is {got}, draftsmith.json "
-                                f"records {meta.weights[WEIGHTS_FILE]}: the file is corrupted or was modified after "
-                                f"export. Fix: re-export or re-download the head.")
-    sd = load_safetensors(data)
+    check_listed_weight_files(head_dir, meta, (WEIGHTS_FILE,), where, "MLP speculator")
+    data = weight_file_bytes(head_dir, WEIGHTS_FILE, meta.weights[WEIGHTS_FILE], where)
+    at = str(head_dir / WEIGHTS_FILE)
+    try:
+        sd = load_safetensors(data)
+    except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
+        raise HeadMismatchError("weights", f"{at}: weights: the file cannot be read ({e}). Fix: re-export.") from e
     expected = expected_weight_shapes(hc)
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
-        raise HeadMismatchError("weights", f"{where}: weights: missing tensor(s) {missing}, unexpected {unexpected} "
+        raise HeadMismatchError("weights", f"{at}: weights: missing tensor(s) {missing}, unexpected {unexpected} "
                                 f"for an MLP speculator with n_predict={hc.n_predict}. Fix: re-export the head.")
     bad = [f"{k} {tuple(sd[k].shape)} (geometry needs {s})" for k, s in expected.items() if tuple(sd[k].shape) != s]
     if bad:
-        raise HeadMismatchError("weights", f"{where}: weights: {', '.join(bad)}. Fix: re-export the head; config "
+        raise HeadMismatchError("weights", f"{at}: weights: {', '.join(bad)}. Fix: re-export the head; config "
                                 f"and weights disagree.")
     return sd
 
@@ -180,6 +180,7 @@ def _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch):
     allow_mismatch = check_allow_mismatch(allow_mismatch)
     meta = read_metadata(head_dir)
     hc = _head_config(meta, where)
+    check_recorded_copies(meta, {"draft_vocab_size": "vocab_size"}, where)
     sd = _verified_state_dict(head_dir, meta, hc, where)
     _check_vllm_config(head_dir, hc, where)
     _fits_target(hc, meta.target.get("hidden_size"), meta.target.get("vocab_size"), where)

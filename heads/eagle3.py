@@ -53,6 +53,31 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
     return (1, max(2, n // 2), n - 1) if n >= 4 else (0, 1, 2)
 
 
+def aux_layer_order_problem(aux_layer_ids) -> str | None:
+    """Why ``aux_layer_ids`` cannot be served as the fc's input order, or None when they can.
+
+    The ids must be strictly ascending (distinct, low -> high), because that is the only order the
+    engines build: vLLM collects the aux states while iterating the target's layers
+    (``vllm/model_executor/models/llama.py``: ``if idx in self.aux_hidden_state_layers``, the ids set by
+    ``v1/worker/gpu_model_runner.py`` ``_get_eagle3_aux_layers_from_config``) and SGLang likewise
+    (``python/sglang/srt/models/llama.py``: ``if i in self.layers_to_capture``), so the concatenation
+    [T, 3H] is in layer order whatever the list's order, and a repeated id is captured once. A head
+    trained on [6, 3, 1] would get its fc columns fed in another order.
+
+    Refused rather than normalised: sorting the ids would have to permute the fc's column blocks in
+    the same step everywhere ids and weights meet (capture, shards, checkpoints, export, runtime),
+    and one missed place silently serves a wrong head; a refusal at configuration time costs nothing
+    (the fix is to write the same layers ascending before training)."""
+    ids = [int(i) for i in aux_layer_ids]
+    if all(a < b for a, b in zip(ids, ids[1:])):
+        return None
+    fix = sorted(set(ids))
+    return (f"aux_layer_ids {ids} are not strictly ascending: vLLM and SGLang concatenate the aux hidden states "
+            f"in layer order ({', '.join(map(str, fix))}) whatever the list's order and capture a repeated layer "
+            f"once, so the fc would receive its features in another order. Fix: write them ascending, "
+            f"{fix}{' (three distinct layers)' if len(fix) != len(ids) else ''}, and train the head on that order")
+
+
 @dataclass
 class Eagle3Config:
     """Geometry of one EAGLE-3 head; H = hidden_size equals the target's hidden size."""
@@ -64,7 +89,7 @@ class Eagle3Config:
     head_dim: int
     vocab_size: int                       #: target vocabulary V
     draft_vocab_size: int                 #: draft vocabulary Vd (== V means no d2t/t2d)
-    aux_layer_ids: tuple[int, int, int]   #: HF output_hidden_states indices, low -> high
+    aux_layer_ids: tuple[int, int, int]   #: HF output_hidden_states indices, strictly ascending (low -> high)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None      #: the target's non-default RoPE parameters, if any
@@ -77,6 +102,8 @@ class Eagle3Config:
         self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
         if len(self.aux_layer_ids) != 3:
             raise ValueError(f"aux_layer_ids must hold 3 layer ids, got {self.aux_layer_ids}")
+        if (problem := aux_layer_order_problem(self.aux_layer_ids)) is not None:
+            raise ValueError(problem)
         if self.norm_before_residual:
             raise ValueError("norm_before_residual=True is not supported: draftsmith heads use the original "
                              "EAGLE-3 layout (residual = fused features), which every engine serves")

@@ -48,11 +48,11 @@ class TargetModel:
     Args:
         model: a transformers ``*ForCausalLM`` in eval mode (it is not copied or modified).
         tokenizer: kept for callers (stop strings, chat templates); unused by ``forward``.
-        aux_layer_ids: HF ``output_hidden_states`` indices, low→high, each in 0..N-1; ``None`` skips
+        aux_layer_ids: HF ``output_hidden_states`` indices, strictly ascending, each in 0..N-1; ``None`` skips
             hidden-state output (cheaper) and makes ``TargetStep.aux_hidden`` None.
 
     Raises:
-        ValueError: an aux layer id is outside 0..N-1 or repeated.
+        ValueError: an aux layer id is outside 0..N-1 or repeated, or the ids are not ascending.
     """
 
     def __init__(self, model, tokenizer=None, aux_layer_ids: Sequence[int] | None = None):
@@ -66,6 +66,10 @@ class TargetModel:
                 raise ValueError(f"aux_layer_ids {ids} must be distinct HF hidden-state indices in 0..{n - 1} "
                                  f"(inputs of decoder layers; index {n} is the final normed output) "
                                  f"for this {n}-layer target")
+            if list(ids) != sorted(ids):      # the one order vLLM and SGLang concatenate them in (layer order)
+                raise ValueError(f"aux_layer_ids {ids} are not ascending: the aux states are concatenated in layer "
+                                 f"order by vLLM and SGLang, so a head reads them as {tuple(sorted(ids))}. Fix: "
+                                 f"give them ascending (heads.eagle3.aux_layer_order_problem)")
             aux_layer_ids = ids
         self.aux_layer_ids: tuple[int, ...] | None = aux_layer_ids
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, aux_layer_order_problem
 from draftsmith.heads.vocab import VocabMap
 from draftsmith.train.batches import batches_for_epoch
 from draftsmith.train.checkpoint import checkpoint_vocab_map, commit_checkpoint
@@ -38,11 +38,22 @@ logger = logging.getLogger(__name__)
 class HeadConfig:
     """Shape choices of the EAGLE-3 head beyond what the target fixes."""
 
-    aux_layer_ids: list[int] | None = None   #: HF hidden-state indices; None = (2, N//2, N-3)
+    aux_layer_ids: list[int] | None = None   #: HF hidden-state indices, ascending; None = (2, N//2, N-3)
     ttt_steps: int = 7                       #: training-time-test unroll depth
     step_decay: float = 0.8                  #: loss weight of step i is step_decay**i
     prompt_loss_weight: float = 0.0          #: weight of prompt positions in the distillation loss (train/ttt.py)
     init_from_target: bool = True            #: start lm_head/norm from the target's (warm start)
+
+    def __post_init__(self):
+        """Refuse ids no engine serves as written (``heads.eagle3.aux_layer_order_problem``): at recipe
+        load, before any capture or training step. Raises ValueError naming ``head.aux_layer_ids``."""
+        if self.aux_layer_ids is None:
+            return
+        if len(self.aux_layer_ids) != 3:
+            raise ValueError(f"head.aux_layer_ids {list(self.aux_layer_ids)}: an EAGLE-3 head reads 3 layers. "
+                             f"Fix: give three HF hidden_states indices, ascending, or null for the default")
+        if (problem := aux_layer_order_problem(self.aux_layer_ids)) is not None:
+            raise ValueError(f"head.{problem}")
 
 
 def build_head(target, vocab_map: VocabMap, cfg: HeadConfig) -> Eagle3Head:
