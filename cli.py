@@ -27,10 +27,8 @@ the serving port.
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
@@ -39,7 +37,7 @@ from draftsmith.reference import TASK_NAMES
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_RECIPE = PACKAGE_DIR / "recipes" / "reference" / "eagle3.yaml"
-TRACEBACK_ENV = "DRAFTSMITH_TRACEBACK"        #: set to 1 to print the traceback of an error (as -v does)
+TRACEBACK_ENV = arg.TRACEBACK_ENV               #: set to 1 to print the traceback of an error (as -v does)
 #: After Ctrl+C: what rerunning a verb does.
 RESUME = {"capture": "rerun the same command: finished shards are verified and kept, the capture resumes",
           "train": "rerun the same command: training resumes from its last checkpoint (train.ckpt_every)",
@@ -410,77 +408,18 @@ def check_listen(host: str, port: int) -> None:
                              f"another --port") from None
 
 
-# --- the error boundary --------------------------------------------------------------------------------------
-
-#: Operating-system errors that reach the CLI without a message of ours: (problem, fix) by kind.
-OS_ERRORS = ((FileNotFoundError, "no such file or directory", "check the path"),
-             (PermissionError, "permission denied", "fix its permissions, or choose a path you can read and write"),
-             (IsADirectoryError, "is a directory where a file is expected", "pass the file"),
-             (NotADirectoryError, "is a file where a directory is expected", "pass a directory"),
-             (FileExistsError, "already exists", "remove it, or choose another path"))
-EXPECTED = (ValueError, OSError, KeyError)       # errors raised with a message for the user (by kind)
-
-
-def one_line(message: str) -> str:
-    """``message`` on one line: its stripped lines joined by '; ' (by ' ' after a line ending in ':')."""
-    out = ""
-    for line in (x.strip().removeprefix("- ") for x in str(message).splitlines()):
-        if line:
-            out += ("" if not out else " " if out.endswith(":") else "; ") + line
-    return out
-
-
-def describe_error(error: BaseException) -> str:
-    """One line for an error that reached the CLI.
-
-    draftsmith's errors (ConfigError, HeadMismatchError, ModelSourceError, ...) and the library errors it lets
-    through carry their message (made where they were raised). An OSError raised by the operating system on a
-    path (``errno`` and ``filename`` set, no message of ours) is named by its kind (``OS_ERRORS``). Anything
-    else (a RuntimeError from torch, a bug) is named by its type, with how to see its traceback."""
-    if isinstance(error, OSError) and error.errno is not None and error.filename is not None:
-        where = f"{error.filename}" + (f" -> {error.filename2}" if error.filename2 else "")
-        if error.errno == errno.ENOSPC:
-            return f"no space left on the device of {where}; free some space, or write somewhere else"
-        for kind, problem, fix in OS_ERRORS:
-            if isinstance(error, kind):
-                return f"{where}: {problem}; {fix}"
-        return f"{where}: {error.strerror}; check the path"
-    message = one_line(error.args[0] if isinstance(error, KeyError) and error.args else error)
-    try:
-        from safetensors import SafetensorError
-    except ImportError:                                       # pragma: no cover - safetensors is a dependency
-        SafetensorError = ()
-    if isinstance(error, SafetensorError):
-        return f"a weights file is not valid safetensors ({message}); re-download it, or re-export it"
-    if isinstance(error, EXPECTED):
-        return message or type(error).__name__
-    return f"{type(error).__name__}: {message} (rerun with -v or {TRACEBACK_ENV}=1 for the traceback)"
-
-
 def main(argv=None) -> int:
-    """Parse, check (``check_args``), run the verb; any error ends as one line on stderr (module docstring)."""
+    """Parse, check (``check_args``), run the verb; any error ends as one line on stderr (module docstring,
+    ``arguments.run_guarded``)."""
     args = build_parser().parse_args(argv)
-    verbose = bool(args.verbose) or os.environ.get(TRACEBACK_ENV, "") not in ("", "0")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    try:
+
+    def run() -> int:
         check_args(args)
         return args.fn(args)
-    except KeyboardInterrupt:
-        if verbose:
-            import traceback
-
-            traceback.print_exc()
-        print(f"draftsmith {args.verb}: interrupted (Ctrl+C); {RESUME.get(args.verb, 'rerun the command')}",
-              file=sys.stderr)
-        return 130
-    except Exception as e:                                    # the one boundary: never a bare traceback
-        if verbose:
-            import traceback
-
-            traceback.print_exc()
-        print(f"draftsmith {args.verb}: error: {describe_error(e)}", file=sys.stderr)
-        return 1
+    return arg.run_guarded(f"draftsmith {args.verb}", run, verbose=args.verbose,
+                           interrupted=RESUME.get(args.verb, "rerun the command"))
 
 
 if __name__ == "__main__":
