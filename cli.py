@@ -39,9 +39,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_RECIPE = PACKAGE_DIR / "recipes" / "reference" / "eagle3.yaml"
 TRACEBACK_ENV = arg.TRACEBACK_ENV               #: set to 1 to print the traceback of an error (as -v does)
 #: After Ctrl+C: what rerunning a verb does.
+_TRAIN_RESUMES = ("rerun the same command: training resumes from its last checkpoint (written every "
+                  "train.ckpt_every steps)")
 RESUME = {"capture": "rerun the same command: finished shards are verified and kept, the capture resumes",
-          "train": "rerun the same command: training resumes from its last checkpoint (train.ckpt_every)",
-          "demo": "rerun the same command: training resumes from its last checkpoint (train.ckpt_every)"}
+          "train": _TRAIN_RESUMES, "demo": _TRAIN_RESUMES}
 
 
 def _recipe(args, check: bool = True):
@@ -227,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_recipe(p)
         p.set_defaults(fn=fn)
     p = _verb(sub, "export", "export a trained run's checkpoint (or a head, in other formats) as a head "
-                                      "directory")
+                             "directory")
     p.add_argument("run_dir", help="RUN_DIR (runs/NAME) or an exported head directory")
     p.add_argument("--out", required=True)
     p.add_argument("--format", nargs="+", default=["all"],

@@ -294,7 +294,7 @@ def test_ctrl_c_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(cli, "cmd_train", _raising(KeyboardInterrupt()))
     line = fails(capsys, ["train"], status=130)
     assert line == ("draftsmith train: interrupted (Ctrl+C); rerun the same command: training resumes from its "
-                    "last checkpoint (train.ckpt_every)")
+                    "last checkpoint (written every train.ckpt_every steps)")
 
 
 @pytest.mark.parametrize("error, expect", [
