@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from draftsmith import reference
 from draftsmith.precision import DTYPE_NAMES, dtype_name, resolve_dtype
+from draftsmith.sources import ModelSourceError, check_model_source
 
 logger = logging.getLogger(__name__)
+
 
 @dataclass
 class TargetConfig:
@@ -34,12 +35,12 @@ def resolve_model_dtype(name_or_path: str, dtype: str, revision: str | None = No
 
     Raises ValueError for a dtype outside float32 | bfloat16 | float16 | auto."""
     if dtype != "auto" and dtype not in DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one of {', '.join([*DTYPES, 'auto'])}")
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join([*DTYPES, 'auto'])}; pass one of them")
     model_dtype = None
     if dtype == "auto":
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(reference.resolve(name_or_path), revision=revision)
+        config = AutoConfig.from_pretrained(check_model_source(name_or_path, revision), revision=revision)
         model_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(model_dtype, str):
             model_dtype = DTYPES.get(model_dtype)
@@ -48,16 +49,59 @@ def resolve_model_dtype(name_or_path: str, dtype: str, revision: str | None = No
     return dtype_name(resolved)
 
 
-def load_causal_lm(name_or_path: str, revision: str | None = None, dtype: str = "float32"):
+def load_causal_lm(name_or_path: str, revision: str | None = None, dtype: str = "float32", role: str = "model"):
     """(model in eval mode with frozen parameters, tokenizer) for ``name_or_path``, in ``dtype``
     (``resolve_model_dtype``: ``auto`` follows the device).
 
-    Raises ValueError for an unknown dtype name; transformers' errors for a missing model."""
+    ``role`` names the model in error messages ("target", "draft model").
+
+    Raises:
+        ValueError: an unknown dtype name.
+        ModelSourceError (an OSError): ``name_or_path`` is no loadable model (``sources.check_model_source``:
+            no such folder, an offline Hub id not in the cache, a truncated safetensors file, ...), or
+            transformers failed to load it (the message says why, by the kind of error, and what to do).
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    path = check_model_source(name_or_path, revision, role)
     dtype = resolve_model_dtype(name_or_path, dtype, revision)
-    path = reference.resolve(name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=DTYPES[dtype]).eval()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=DTYPES[dtype]).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+    except Exception as e:
+        problem, fix = _load_failure(e)
+        if problem is None:
+            raise
+        raise ModelSourceError(f"{role} {str(name_or_path)!r} could not be loaded: {problem}; {fix}") from e
     model.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
     return model, tokenizer
+
+
+def _load_failure(error: BaseException) -> tuple[str | None, str]:
+    """(problem, fix) for an error transformers raised while loading a model, chosen by the kind of the error or
+    of its causes (huggingface_hub's, safetensors'); problem None: not a loading error (re-raise it)."""
+    from huggingface_hub.errors import (GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError,
+                                        RevisionNotFoundError)
+    from safetensors import SafetensorError
+
+    chain, e = [], error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
+    first = text if len(text) <= 300 else text[:297] + "..."
+    for e in chain:
+        if isinstance(e, GatedRepoError):
+            return "it is a gated Hub repo", "accept its terms on its Hub page, then log in (`hf auth login`)"
+        if isinstance(e, RepositoryNotFoundError):
+            return "no such Hub repo, or a private one", "check the id, or log in (`hf auth login`)"
+        if isinstance(e, RevisionNotFoundError):
+            return "the Hub repo has no such revision", "check the revision (--revision / target.revision)"
+        if isinstance(e, LocalEntryNotFoundError):
+            return ("the Hub cannot be reached and its files are not in the cache",
+                    "connect to the network, or pass a model folder or `reference`")
+        if isinstance(e, SafetensorError):
+            return f"a weights file is not valid safetensors ({e})", "re-download it, or re-export the model"
+    if isinstance(error, (OSError, ValueError)):
+        return first.rstrip(" .:;"), "check the name and the folder's files, or pass another model folder or `reference`"
+    return None, ""

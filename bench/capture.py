@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.arguments import ArgumentParser, run_guarded
 from draftsmith.data_pipeline.dataset import load_conversations, pad_batch
 from draftsmith.data_pipeline.shards import _render_shard, write_shards
 from draftsmith.heads.eagle3 import default_aux_layer_ids
@@ -104,7 +105,7 @@ def rss_worker(a) -> None:
 
 @torch.no_grad()
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="reference")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--source", default=None, help="conversations (.jsonl/.json); default reference:train")
@@ -166,4 +167,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_guarded("python -m draftsmith.bench.capture", main))   # one line per error

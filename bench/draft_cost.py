@@ -9,13 +9,13 @@ Run: python bench/draft_cost.py [--head runs/reference-eagle3/head] [--threads 2
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
 
 import torch
 
+from draftsmith.arguments import ArgumentParser, run_guarded
 from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, HeadKV
 from draftsmith.inference.target import TargetModel
 from draftsmith.models import load_causal_lm
@@ -32,7 +32,7 @@ def median_ms(fn, repeats: int) -> float:
 
 @torch.inference_mode()
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="reference")
     p.add_argument("--draft-model", default="reference-draft")
     p.add_argument("--head", default=None, help="exported head dir (default: an untrained head of the same shape)")
@@ -88,4 +88,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_guarded("python -m draftsmith.bench.draft_cost", main))   # one line per error

@@ -483,7 +483,7 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
             plan_for_engine(cfg.target, spec, dtype=cfg.dtype, device=cfg.device,
                             max_model_len=cfg.max_model_len).check()
     if model is None and (not cfg.urls or cfg.hf_peer):
-        model, tokenizer = load_causal_lm(cfg.target, dtype=cfg.dtype)
+        model, tokenizer = load_causal_lm(cfg.target, dtype=cfg.dtype, role="target")
         model.to(cfg.device)
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -516,7 +516,7 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
         eos = _eos_ids(model, tokenizer)
         draft = None
         if cfg.draft_model:
-            draft, _ = load_causal_lm(cfg.draft_model, dtype=cfg.dtype)
+            draft, _ = load_causal_lm(cfg.draft_model, dtype=cfg.dtype, role="draft model")
             draft.to(cfg.device)
         hf_rows = _hf_rows(hf_peer(model, tokenizer, prompts, cfg, eos, draft), reference_texts)
         add_verdicts(hf_rows, baseline=HF_BASELINE, prefix="hf:")
@@ -526,29 +526,67 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
-    """The bench's arguments (shared by ``draftsmith bench`` and ``python -m draftsmith.bench.serve``)."""
+    """The bench's arguments (shared by ``draftsmith bench`` and ``python -m draftsmith.bench.serve``); values
+    are checked by ``draftsmith.arguments`` types at parse time, the rest by ``check_config``."""
+    from draftsmith import arguments as arg
+    from draftsmith.reference import TASK_NAMES
+
     d = BenchConfig()
-    p = parser or argparse.ArgumentParser(prog="draftsmith bench", description=__doc__.splitlines()[0])
+    p = parser or arg.ArgumentParser(prog="draftsmith bench", description=__doc__.splitlines()[0])
     p.add_argument("--target", default=d.target)
     p.add_argument("--methods", nargs="+", default=d.methods, choices=["none", "ngram", "eagle3", "draft_model"])
-    p.add_argument("--url", dest="urls", action="append", default=[], help="a running server (repeatable)")
-    p.add_argument("--k", type=int, default=d.k)
+    p.add_argument("--url", dest="urls", action="append", default=[], type=arg.url,
+                   help="a running server (repeatable)")
+    p.add_argument("--k", type=arg.positive_int, default=d.k)
     p.add_argument("--head", default=d.head, help="exported EAGLE-3 head directory")
     p.add_argument("--draft-model", default=d.draft_model)
-    p.add_argument("--prompt-lookup-min", type=int, default=d.prompt_lookup_min)
-    p.add_argument("--prompt-lookup-max", type=int, default=d.prompt_lookup_max)
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
-    p.add_argument("--tasks", nargs="+", default=d.tasks)
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--concurrency", type=int, default=d.concurrency)
-    p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--threads", type=int, default=d.threads)
-    p.add_argument("--dtype", default=d.dtype)
+    p.add_argument("--prompt-lookup-min", type=arg.positive_int, default=d.prompt_lookup_min)
+    p.add_argument("--prompt-lookup-max", type=arg.positive_int, default=d.prompt_lookup_max)
+    p.add_argument("--num-prompts", type=arg.positive_int, default=d.num_prompts)
+    p.add_argument("--tasks", nargs="+", default=d.tasks, choices=TASK_NAMES)
+    p.add_argument("--max-tokens", type=arg.positive_int, default=d.max_tokens)
+    p.add_argument("--concurrency", type=arg.positive_int, default=d.concurrency)
+    p.add_argument("--rounds", type=arg.positive_int, default=d.rounds)
+    p.add_argument("--threads", type=arg.positive_int, default=d.threads)
+    p.add_argument("--dtype", type=arg.dtype, default=d.dtype, help=", ".join(arg.DTYPE_NAMES))
     p.add_argument("--device", default=d.device)
-    p.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    p.add_argument("--max-model-len", type=arg.positive_int, default=d.max_model_len)
     p.add_argument("--hf-peer", action="store_true", help="also run transformers assisted generation")
     p.add_argument("--out", default=d.out)
     return p
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """Refuse, before torch is imported, what would fail only after the target is loaded: a target, head or
+    draft model that is missing (``draftsmith.sources``), lookup bounds in the wrong order, more prompts than
+    the tasks hold, an ``out`` that is a file.
+
+    Raises:
+        ModelSourceError (an OSError): a model or head. ValueError: the other values.
+    """
+    from draftsmith import reference
+    from draftsmith.sources import ModelSourceError, check_head_dir, check_model_source
+
+    if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+        raise ValueError(f"--prompt-lookup-min {cfg.prompt_lookup_min} > --prompt-lookup-max {cfg.prompt_lookup_max}; "
+                         f"pass min <= max")
+    sizes = [sum(1 for _ in (reference.TASKS_DIR / f"{t}.jsonl").open()) for t in cfg.tasks]
+    available = next(i for i in range(sum(sizes) + 1)                 # prompt i: task i % n, record i // n
+                     if i == sum(sizes) or i // len(sizes) >= sizes[i % len(sizes)])
+    if cfg.num_prompts > available:
+        raise ValueError(f"--num-prompts {cfg.num_prompts}: tasks {', '.join(cfg.tasks)} give {available} prompts "
+                         f"round robin; pass --num-prompts <= {available} or more --tasks")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out!r} is a file; pass a directory for report.json, table.md and bench.png")
+    check_model_source(cfg.target, role="target")
+    if not cfg.urls and "eagle3" in cfg.methods:
+        if not cfg.head:
+            raise ModelSourceError("method eagle3 needs an exported head directory (--head DIR); train one "
+                                   "(draftsmith train) or leave eagle3 out of --methods")
+        check_head_dir(cfg.head, role="--head (method eagle3)",
+                       hint="train one (draftsmith train RECIPE) or leave eagle3 out of --methods")
+    if cfg.draft_model and (cfg.hf_peer or (not cfg.urls and "draft_model" in cfg.methods)):
+        check_model_source(cfg.draft_model, role="--draft-model")
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -558,15 +596,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def main(argv=None) -> int:
-    """Run the bench, print the table, write report.json / table.md / bench.png."""
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    cfg = config_from_args(args)
-    report = run_bench(cfg)
-    paths = write_report(report, cfg.out)
-    print(format_table(report))
-    print(f"\nreport: {paths['json']}  table: {paths['table']}  plot: {paths['plot']}")
-    return 0
+    """``draftsmith bench ARGS``: run the bench, print the table, write report.json / table.md / bench.png (with
+    the CLI's checks and one-line errors, ``draftsmith.cli.main``)."""
+    import sys
+
+    from draftsmith.cli import main as cli_main
+
+    return cli_main(["bench", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

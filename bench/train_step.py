@@ -15,16 +15,15 @@ Run: python bench/train_step.py [--threads 2] [--steps 8] [--warmup 2] [--batch-
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from draftsmith.arguments import ArgumentParser, run_guarded
 from draftsmith.data_pipeline.capture import capture
 from draftsmith.data_pipeline.dataset import load_conversations, pad_batch, render_dataset
 from draftsmith.heads.vocab import build_vocab_map, count_tokens
@@ -75,7 +74,7 @@ def time_alone(trainer: Eagle3Trainer, data, pad_id: int) -> dict:
 
 def main(argv=None) -> int:
     """Run the benchmark; returns the exit status (1 when the ratio exceeds the limit)."""
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--target", default="reference")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--steps", type=int, default=8, help="measured steps")
@@ -128,4 +127,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_guarded("python -m draftsmith.bench.train_step", main))   # one line per error

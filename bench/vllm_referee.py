@@ -12,12 +12,12 @@ Run:
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from draftsmith.arguments import ArgumentParser, run_guarded
 from draftsmith.export import referee as ref
 
 
@@ -37,7 +37,7 @@ def heldout_prompt_ids(target: str, n: int) -> list[list[int]]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head", help="exported head directory (draftsmith format, with speculators/ for that format)")
     p.add_argument("--target", default="reference", help="target name or folder (default: reference)")
     p.add_argument("--k", type=int, nargs="+", default=[3, 5], help="num_speculative_tokens values")
@@ -65,4 +65,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(run_guarded("python -m draftsmith.bench.vllm_referee", main))   # one line per error

@@ -16,7 +16,6 @@ Run: ``python -m draftsmith.reference.corpus --out .cache/reference/corpus`` (se
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import importlib.metadata
@@ -28,6 +27,8 @@ import textwrap
 import tokenize
 from dataclasses import dataclass
 from pathlib import Path
+
+from draftsmith.arguments import ArgumentParser, run_guarded
 
 #: Folders of the stdlib that are tests, tools or vendored code rather than library source.
 EXCLUDED_PARTS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__", "turtledemo",
@@ -309,7 +310,7 @@ def write_tasks(tasks_out: Path, held_chat: list[dict], seed: int, n: int) -> di
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder for the corpus jsonl files")
     p.add_argument("--tasks-out", type=Path, default=None, help="folder for the held-out task files")
     p.add_argument("--seed", type=int, default=0)
@@ -320,4 +321,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_guarded("python -m draftsmith.reference.corpus", main))   # one line per error

@@ -11,7 +11,6 @@ Run: ``python -m draftsmith.reference.measure [--threads 2] [--repeats 40] [--pr
 """
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -19,6 +18,7 @@ import time
 import torch
 
 from draftsmith import reference
+from draftsmith.arguments import ArgumentParser, run_guarded
 from draftsmith.data_pipeline.chat import prompt_ids
 from draftsmith.inference.generate import GenerationConfig, generate_plain
 from draftsmith.inference.target import TargetModel
@@ -58,7 +58,7 @@ def diversity(model, tokenizer, prompts: int, new_tokens: int) -> float:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=40)
     p.add_argument("--prompts", type=int, default=64)
@@ -81,4 +81,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_guarded("python -m draftsmith.reference.measure", main))   # one line per error

@@ -15,7 +15,6 @@ Run (exact commands in reference/REPRODUCE.md):
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
@@ -27,6 +26,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.arguments import ArgumentParser, run_guarded
 from draftsmith.config import load_config, to_dict
 from draftsmith.data_pipeline.chat import render, render_text
 from draftsmith.precision import resolve_mixed_precision
@@ -235,7 +235,7 @@ def export_checkpoint(cfg: PretrainConfig, out: Path) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. steps=100")
     p.add_argument("--export-checkpoint", type=Path, default=None,
@@ -249,4 +249,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_guarded("python -m draftsmith.reference.pretrain", main))   # one line per error

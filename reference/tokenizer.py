@@ -7,12 +7,13 @@ Run: ``python -m draftsmith.reference.tokenizer --corpus .cache/reference/corpus
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
+
+from draftsmith.arguments import ArgumentParser, run_guarded
 
 #: ChatML (`<|im_start|>role\n…<|im_end|>\n`), as Qwen2/Qwen3 without tools or thinking.
 CHAT_TEMPLATE = (
@@ -49,7 +50,7 @@ def train_tokenizer(corpus: Path, out: Path, vocab_size: int = 8192) -> PreTrain
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--corpus", type=Path, required=True)
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--vocab-size", type=int, default=8192)
@@ -59,4 +60,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(run_guarded("python -m draftsmith.reference.tokenizer", main))   # one line per error

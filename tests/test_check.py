@@ -300,8 +300,11 @@ def test_cli_check_refuses_and_names_field(exported, monkeypatch, capsys):
     import draftsmith.models as models
     from draftsmith.cli import main
 
+    from huggingface_hub import constants
+
     target, tok, head_dir = exported
     monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: (target, tok))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)   # offline, the CLI refuses a Hub id not in the cache
     assert main(["check", str(head_dir), "--target", "tiny/llama", "--tensor-parallel-size", "2"]) == 0
     assert "shard over 2 ranks" in capsys.readouterr().out
     assert main(["check", str(head_dir), "--target", "tiny/llama", "--tensor-parallel-size", "3"]) == 1

@@ -2,7 +2,7 @@
 import pytest
 
 from draftsmith import reference
-from draftsmith.cli import _drafter_arg
+from draftsmith.arguments import drafter as drafter_arg
 from draftsmith.inference.eval import EvalConfig, evaluate, format_table, plot_acceptance
 from draftsmith.pipeline import build_proposers, drafter_specs
 
@@ -21,10 +21,12 @@ def test_drafter_specs_rows_and_labels():
 
 
 def test_drafter_cli_argument():
-    assert _drafter_arg('d={"method": "draft_model", "model": "x"}') == ("d", {"method": "draft_model", "model": "x"})
+    import argparse
+
+    assert drafter_arg('d={"method": "draft_model", "model": "x"}') == ("d", {"method": "draft_model", "model": "x"})
     for bad in ("d", "d=[1]", "={}", "d={oops"):
-        with pytest.raises(SystemExit):
-            _drafter_arg(bad)
+        with pytest.raises(argparse.ArgumentTypeError, match="LABEL="):
+            drafter_arg(bad)
 
 
 def test_eval_reports_labelled_drafters_with_draft_cost(tmp_path):
