@@ -70,12 +70,15 @@ def test_cli_check_loads_the_target_in_the_dtype_asked(tiny_llama, word_tokenize
     target, tok = tiny_llama(seed=1), word_tokenizer()
     out = export_each("eagle3", target, tok, tmp_path / "head", tiny_llama)
     asked = []
+    target.save_pretrained(tmp_path / "tiny")           # the CLI checks that the target exists before loading
+    tok.save_pretrained(tmp_path / "tiny")
 
-    def load(name, revision=None, dtype="float32"):
+    def load(name, revision=None, dtype="float32", role="model"):
         asked.append(dtype)
         return copy.deepcopy(target).to(models.DTYPES[dtype]), tok
     monkeypatch.setattr(models, "load_causal_lm", load)
-    assert main(["check", str(out), "--target", "tiny", "--dtype", "bfloat16"]) == 0
+    tiny = str(tmp_path / "tiny")
+    assert main(["check", str(out), "--target", tiny, "--dtype", "bfloat16"]) == 0
     assert asked == ["bfloat16"] and "dtype differs" in capsys.readouterr().out
-    assert main(["check", str(out), "--target", "tiny"]) == 0
+    assert main(["check", str(out), "--target", tiny]) == 0
     assert asked[-1] == "float32" and "dtype differs" not in capsys.readouterr().out
