@@ -328,12 +328,12 @@ class Eagle3Head(nn.Module):
         """Start ``lm_head`` from the target's output rows of the draft vocab and ``norm`` from its final norm.
 
         A warm start (not part of the paper's recipe) that shortens CPU training; call after set_vocab_map."""
-        out = target.get_output_embeddings().weight
-        ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=out.device))
-        self.lm_head.weight.copy_(out[ids].to(self.lm_head.weight.dtype))
+        out = target.get_output_embeddings().weight                     # may live on another device (cuda)
+        ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
+        self.lm_head.weight.copy_(out[ids.to(out.device)].to(self.lm_head.weight))
         final_norm = getattr(getattr(target, "model", None), "norm", None)
         if final_norm is not None and final_norm.weight.shape == self.norm.weight.shape:
-            self.norm.weight.copy_(final_norm.weight)
+            self.norm.weight.copy_(final_norm.weight.to(self.norm.weight))
 
     # -- export names (DESIGN.md §6) ------------------------------------------------------------
     def export_state_dict(self) -> dict[str, torch.Tensor]:
