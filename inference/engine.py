@@ -26,9 +26,11 @@ Startup:
 
 Requests are served one at a time: the runtime's unit is one sequence (batch size 1), so ``generate``
 holds a lock for the whole sequence and concurrent callers queue behind it (the server adds a
-single-worker thread as its FIFO queue). Stop strings are found on the decoded text: the output is
-cut before the first stop string, generation ends at the token that completed it (finish_reason
-'stop'), and streamed text holds back any tail that could still become a stop string.
+single-worker thread as its FIFO queue). Stop strings are found on the decoded text that is final
+(``TextStream``: no character still split across tokens), token by token whatever the chunking, so plain
+and speculative decoding stop at the same token: the output is cut before the first stop string,
+generation ends at the token that completed it (finish_reason 'stop'), and streamed text is final text
+minus any tail that could still become a stop string.
 """
 from __future__ import annotations
 
@@ -216,10 +218,29 @@ class _CountingProposer(Proposer):
 class TextStream:
     """Decoded text of a growing token list, with stop strings and streamed deltas.
 
-    ``add(chunk)`` decodes the tokens so far; when a stop string appears it cuts ``tokens`` after the
-    token that completed it and ``text`` before the stop string, sends the rest and raises
-    ``_StopStringFound``. Deltas sent to ``on_text`` hold back a trailing incomplete character
-    ('\\ufffd') and any tail that is a prefix of a stop string; ``finish()`` sends what is left.
+    Tokens are read one at a time however they arrive (plain decoding: one per step; speculative: an accepted
+    chunk of 1..k+1), so the outcome depends on the tokens only, never on the chunking. Decoded text is split in:
+
+        final text   what later tokens cannot change: everything before a trailing incomplete character
+        open tail    the trailing '\\ufffd' a byte-level decode ends in while a character's bytes are split
+                     across tokens ('é' = 2 bytes, '。' 3, '😀' 4); it turns final when the character completes
+                     (or at ``finish``)
+
+    ``text`` is the final text and only grows (until cut at a stop string). Incremental decoding as TGI's
+    ``decode_token`` / vLLM's ``detokenize_incrementally``: decode the window ``tokens[prefix:]`` that starts at
+    an earlier clean boundary (a point where all text was final, so the window starts on a character boundary,
+    with one clean step of context so that a tokenizer's start-of-text rule, e.g. SentencePiece's leading space,
+    is not applied mid-text); a step that ends clean slides the window.
+
+    Stop point (canonical): the fewest tokens n whose decoded text, trailing '\\ufffd' stripped, contains a stop
+    string. ``add`` then cuts ``tokens`` after token n and ``text`` before the earliest stop string found, sends
+    the rest and raises ``_StopStringFound``. Deltas sent to ``on_text`` are final text only, holding back any
+    tail that may start a stop string, so nothing sent is ever changed or lies past a stop; ``finish()`` sends
+    what is left (the open tail becomes final, and is searched for stop strings too).
+
+    Attributes:
+        tokens: the tokens read (cut after the stop point). text: the final text (cut before a stop string).
+        stopped: True once a stop string was found.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None):
@@ -228,7 +249,10 @@ class TextStream:
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.tokens: list[int] = []
         self.text = ""
+        self.stopped = False
         self.sent = 0
+        self._prefix = self._read = 0       # window = tokens[_prefix:]; the text of tokens[:_read] is all final
+        self._window_final = 0              # characters of the window's decode already in self.text
 
     def _decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -238,30 +262,42 @@ class TextStream:
         return min(hits) if hits else None
 
     def add(self, chunk: Sequence[int]) -> None:
-        first_new = len(self.tokens)
-        self.tokens.extend(int(t) for t in chunk)
-        text = self._decode(self.tokens)
-        if self.stop:
-            # a stop string wholly inside the old text would have been found already
-            start = max(0, min(len(self.text), len(text)) - self.longest_stop + 1)
-            if self._find_stop(text, start) is not None:
-                for end in range(first_new + 1, len(self.tokens) + 1):     # fewest tokens that complete it
-                    text = self._decode(self.tokens[:end])
-                    hit = self._find_stop(text, 0)
-                    if hit is not None:
-                        del self.tokens[end:]
-                        self.text = text[:hit]
-                        break
+        """Read ``chunk`` token by token; raises ``_StopStringFound`` at the token that completes a stop string."""
+        for token in chunk:
+            self.tokens.append(int(token))
+            if self._read_token():
                 self.finish()
                 raise _StopStringFound
-        self.text = text
-        self._send(self._safe_end(text))
+        self._send(self._safe_end())
 
-    def _safe_end(self, text: str) -> int:
-        """How much of ``text`` can be sent now: no trailing '\\ufffd', no tail that may start a stop string."""
-        end = len(text.rstrip("\ufffd"))
+    def _read_token(self) -> bool:
+        """Decode the window after one more token; append what turned final. True: a stop string was found."""
+        window = self._decode(self.tokens[self._prefix:])
+        final = len(window.rstrip("\ufffd"))
+        if final > self._window_final:
+            found = self._append(window[self._window_final:final])
+            self._window_final = final
+            if found:
+                return True
+        if final == len(window):                                        # clean: slide the window
+            self._prefix, self._read = self._read, len(self.tokens)
+            self._window_final = len(self._decode(self.tokens[self._prefix:self._read]))
+        return False
+
+    def _append(self, piece: str) -> bool:
+        """Extend the final text; cut it before a stop string that now appears (True) or not (False)."""
+        start = max(0, len(self.text) - self.longest_stop + 1)          # a new hit ends inside ``piece``
+        self.text += piece
+        hit = self._find_stop(self.text, start) if self.stop else None
+        if hit is not None:
+            self.text, self.stopped = self.text[:hit], True
+        return hit is not None
+
+    def _safe_end(self) -> int:
+        """How much of ``text`` can be sent now: all but a tail that may start a stop string."""
+        end = len(self.text)
         for n in range(min(self.longest_stop - 1, end), 0, -1):
-            tail = text[end - n:end]
+            tail = self.text[end - n:]
             if any(s.startswith(tail) for s in self.stop):
                 return end - n
         return end
@@ -273,7 +309,12 @@ class TextStream:
                 self.on_text(delta)
 
     def finish(self) -> None:
-        """Send whatever text is still held back."""
+        """End of generation: the open tail is final now (searched for stop strings); send what is held back."""
+        if not self.stopped:
+            window = self._decode(self.tokens[self._prefix:])
+            if len(window) > self._window_final:
+                self._append(window[self._window_final:])
+                self._window_final = len(window)
         self._send(len(self.text))
 
 
@@ -466,6 +507,8 @@ class Engine:
                 if counting is not None:
                     self.metrics.record_spec(counting.stats)
             text.finish()
+            if text.stopped:                  # found in the tail that only the end of generation made final
+                finish_reason = "stop"
         latency = time.perf_counter() - arrival
         ttft = first_token_at - arrival if first_token_at is not None else None
         self.metrics.record_request(len(prompt), len(text.tokens), finish_reason, ttft, latency)
