@@ -22,6 +22,9 @@ Startup:
      tokenizer (``check_same_tokenizer``) and vocabulary size; a draftsmith export (a directory with
      draftsmith.json) must also record this target (``export.draft_model.check_draft_model``,
      ``HeadMismatchError`` naming the field; ``allow_mismatch`` applies);
+     max_model_len (default: the target's declared position limit) must fit a draft's learned position table
+     (GPT-2 ``n_positions``, OPT ``max_position_embeddings``; ValueError naming both and ``--max-model-len``);
+     a RoPE draft or EAGLE-3 head declaring fewer positions is served with a warning;
   3. per request: a fresh proposer around the loaded head / draft (proposers hold per-sequence state).
 
 Requests are served one at a time: the runtime's unit is one sequence (batch size 1), so ``generate``
@@ -47,7 +50,7 @@ import torch
 from .generate import GenerationConfig, GenerationResult, SpecStats, generate_plain, generate_speculative
 from .metrics import EngineMetrics
 from .proposers import DraftModelProposer, NgramProposer, Proposal, Proposer, check_same_tokenizer
-from .target import TargetModel
+from .target import POSITION_LIMIT_KEYS, TargetModel, has_learned_positions, position_limit
 
 logger = logging.getLogger(__name__)
 
@@ -338,12 +341,13 @@ class Engine:
         allow_mismatch: target identity fields a checked head / exported draft may differ in (as
             ``load_eagle3``; CLI ``--allow-mismatch``).
         max_model_len: longest prompt + completion served, in tokens (default and upper bound: the target's
-            max_position_embeddings; as vLLM's ``--max-model-len``).
+            declared position limit, ``max_position_embeddings`` or ``n_positions``; as vLLM's ``--max-model-len``).
 
     Raises:
         ValueError: a bad speculative config or max_model_len; a draft model whose tokenizer or vocabulary is
-            not the target's; num_speculative_tokens above an MLP speculator's n_predict. ``HeadMismatchError``
-            (a ValueError): an EAGLE-3 head or MLP speculator that does not fit the target.
+            not the target's, or whose learned position table is shorter than max_model_len;
+            num_speculative_tokens above an MLP speculator's n_predict. ``HeadMismatchError`` (a ValueError):
+            an EAGLE-3 head or MLP speculator that does not fit the target.
     """
 
     def __init__(self, model, tokenizer, speculative_config=None, *, model_name: str = "draftsmith",
@@ -385,14 +389,55 @@ class Engine:
         if self.draft_model is not None:
             DraftModelProposer(self.draft_model, self.target.vocab_size)   # refuses a vocab size mismatch now
         self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
-        limit = int(self.target.config.max_position_embeddings)
-        if max_model_len is not None and not 0 < max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in 1..{limit} (the target's max_position_embeddings), "
-                             f"got {max_model_len}")
-        self.max_model_len = int(max_model_len or limit)
+        self.max_model_len = self._max_model_len(max_model_len)
+        if self.draft_model is not None:
+            self._check_draft_positions()
+        if self.head is not None and self.spec.method == "eagle3":
+            self._check_head_positions()
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.metrics = EngineMetrics(self.k)
         self._lock = threading.Lock()
+
+    def _max_model_len(self, requested: int | None) -> int:
+        """max_model_len: the request, at most (and by default) the target's declared position limit."""
+        limit = self.target.position_limit
+        if limit is None:
+            if requested is None or requested < 1:
+                raise ValueError(f"the target's config declares no position limit (none of "
+                                 f"{', '.join(POSITION_LIMIT_KEYS)}): pass max_model_len (--max-model-len N)")
+            return int(requested)
+        key, n = limit
+        if requested is not None and not 0 < requested <= n:
+            raise ValueError(f"max_model_len must be in 1..{n} (the target's {key}), got {requested}")
+        return int(requested or n)
+
+    def _check_draft_positions(self) -> None:
+        """A draft with a learned position table shorter than max_model_len is refused (a longer request would
+        index past it: IndexError); a RoPE / ALiBi draft declaring fewer positions is served with a warning.
+        vLLM likewise bounds the draft by min(draft length, max_model_len) (``vllm/config/speculative.py``,
+        ``_maybe_override_draft_max_model_len``)."""
+        limit = position_limit(self.draft_model.config)
+        if limit is None or limit[1] >= self.max_model_len:
+            return
+        key, n = limit
+        if has_learned_positions(self.draft_model):
+            raise ValueError(f"the draft model {self.spec.model!r} has learned positions for {key}={n} tokens, fewer "
+                             f"than max_model_len={self.max_model_len}: a request longer than {n} tokens would index "
+                             f"past its position table. Serve with --max-model-len {n} (max_model_len={n}), or use a "
+                             f"draft with {key} >= {self.max_model_len}")
+        logger.warning("the draft model %r declares %s=%d, fewer than max_model_len=%d: past %d tokens it drafts at "
+                       "positions it was not trained on (output unchanged, acceptance may drop); --max-model-len %d "
+                       "stays within it", self.spec.model, key, n, self.max_model_len, n, n)
+
+    def _check_head_positions(self) -> None:
+        """An EAGLE-3 head (RoPE, computed per position) declaring fewer positions than max_model_len runs past
+        them untrained: a warning, not a refusal (vLLM serves it to the target's length)."""
+        n = int(self.head.config.max_position_embeddings)
+        if n < self.max_model_len:
+            logger.warning("the EAGLE-3 head %r declares max_position_embeddings=%d, fewer than max_model_len=%d: "
+                           "past %d tokens it drafts at positions it was not trained on (output unchanged, acceptance "
+                           "may drop); --max-model-len %d stays within it", self.spec.model, n, self.max_model_len,
+                           n, n)
 
     @classmethod
     def from_pretrained(cls, target: str, speculative_config=None, *, revision: str | None = None,
@@ -427,7 +472,7 @@ class Engine:
 
     def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         """Refuse (``RequestError``) an empty prompt, ids outside the vocabulary, or prompt + max_new_tokens
-        beyond the target's max_position_embeddings."""
+        beyond ``max_model_len``."""
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty (0 tokens)", "invalid_prompt", "prompt")
