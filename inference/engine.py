@@ -15,7 +15,8 @@ Startup:
   1. parse the speculative config (unknown keys, bad values -> ValueError);
   2. eagle3: ``export.check.load_eagle3`` checks the head's metadata against the target and tokenizer
      (a mismatch raises ``HeadMismatchError``: the engine does not start); the head is loaded ONCE and
-     the target is wrapped with the head's aux layers;
+     the target is wrapped with the head's aux layers; k above the head's trained depth (``ttt_steps`` of
+     draftsmith.json) is served with one warning (``proposers.eagle3.warn_beyond_trained_depth``);
      mlp_speculator: ``export.mlp_speculator.load_mlp_speculator`` checks it the same way; k must not exceed
      its n_predict stages (as vLLM refuses);
      draft_model: the draft is loaded once (``models.load_causal_lm``) and must share the target's
@@ -360,10 +361,15 @@ class Engine:
         if self.spec is not None and self.spec.method == "eagle3":
             from draftsmith.export.check import load_eagle3
 
-            head, _ = load_eagle3(self.spec.model, target_model=model, tokenizer=tokenizer,
-                                  allow_mismatch=allow_mismatch)
+            from .proposers.eagle3 import warn_beyond_trained_depth
+
+            head, meta = load_eagle3(self.spec.model, target_model=model, tokenizer=tokenizer,
+                                     allow_mismatch=allow_mismatch)
             head.to(device).bind_embedding(model.get_input_embeddings())
             self.head, aux_layer_ids = head, head.config.aux_layer_ids
+            ttt_steps = meta.ttt_steps if meta.ttt_steps is not None else head.config.ttt_steps
+            warn_beyond_trained_depth(self.spec.num_speculative_tokens, ttt_steps,
+                                      f"the EAGLE-3 head {self.spec.model!r}")
         elif self.spec is not None and self.spec.method == "mlp_speculator":
             from draftsmith.export.mlp_speculator import load_mlp_speculator
 
