@@ -322,6 +322,65 @@ class TextStream:
         self._send(len(self.text))
 
 
+def resolve_max_model_len(limit: tuple[str, int] | None, requested: int | None) -> int:
+    """max_model_len: ``requested``, at most (and by default) the target's declared position limit ``limit``
+    (``target.position_limit``: ``(config key, positions)``).
+
+    Raises:
+        ValueError: ``requested`` outside 1..limit, or missing when the target declares no limit.
+    """
+    if limit is None:
+        if requested is None or requested < 1:
+            raise ValueError(f"the target's config declares no position limit (none of "
+                             f"{', '.join(POSITION_LIMIT_KEYS)}): pass max_model_len (--max-model-len N)")
+        return int(requested)
+    key, n = limit
+    if requested is not None and not 0 < requested <= n:
+        raise ValueError(f"max_model_len must be in 1..{n} (the target's {key}), got {requested}")
+    return int(requested or n)
+
+
+def check_draft_positions(draft_model, name: str, max_model_len: int, warn: bool = True) -> None:
+    """Refuse a draft whose learned position table is shorter than ``max_model_len`` (a longer request would index
+    past it: IndexError mid-request); a RoPE / ALiBi draft declaring fewer positions is served with a warning.
+    vLLM likewise bounds the draft by min(draft length, max_model_len) (``vllm/config/speculative.py``,
+    ``_maybe_override_draft_max_model_len``). ``draft_model`` may live on the meta device (checked before loading;
+    ``warn=False`` leaves the warning to the engine's own check).
+
+    Raises:
+        ValueError: naming the draft's config key and length, max_model_len and the fix (``--max-model-len``).
+    """
+    limit = position_limit(draft_model.config)
+    if limit is None or limit[1] >= max_model_len:
+        return
+    key, n = limit
+    if has_learned_positions(draft_model):
+        raise ValueError(f"the draft model {name!r} has learned positions for {key}={n} tokens, fewer than "
+                         f"max_model_len={max_model_len}: a request longer than {n} tokens would index past its "
+                         f"position table. Serve with --max-model-len {n} (max_model_len={n}), or use a draft with "
+                         f"{key} >= {max_model_len}")
+    if warn:
+            logger.warning("the draft model %r declares %s=%d, fewer than max_model_len=%d: past %d tokens it drafts "
+                       "at positions it was not trained on (output unchanged, acceptance may drop); --max-model-len "
+                       "%d stays within it", name, key, n, max_model_len, n, n)
+
+
+def _check_draft_before_loading(target: str, spec: "SpeculativeConfig", max_model_len: int | None,
+                                revision: str | None) -> None:
+    """``check_draft_positions`` from the configs alone (the draft built on the meta device), so that a draft the
+    engine would refuse is refused before the target's weights are loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from draftsmith import reference
+
+    target_config = AutoConfig.from_pretrained(reference.resolve(target), revision=revision)
+    draft_config = AutoConfig.from_pretrained(reference.resolve(spec.model))
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(draft_config)
+    check_draft_positions(draft, spec.model, resolve_max_model_len(position_limit(target_config), max_model_len),
+                          warn=False)
+
+
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     """EOS ids of the tokenizer and of the model's generation config (an int or a list)."""
     ids = [getattr(tokenizer, "eos_token_id", None)]
@@ -395,45 +454,14 @@ class Engine:
         if self.draft_model is not None:
             DraftModelProposer(self.draft_model, self.target.vocab_size)   # refuses a vocab size mismatch now
         self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
-        self.max_model_len = self._max_model_len(max_model_len)
+        self.max_model_len = resolve_max_model_len(self.target.position_limit, max_model_len)
         if self.draft_model is not None:
-            self._check_draft_positions()
+            check_draft_positions(self.draft_model, self.spec.model, self.max_model_len)
         if self.head is not None and self.spec.method == "eagle3":
             self._check_head_positions()
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.metrics = EngineMetrics(self.k)
         self._lock = threading.Lock()
-
-    def _max_model_len(self, requested: int | None) -> int:
-        """max_model_len: the request, at most (and by default) the target's declared position limit."""
-        limit = self.target.position_limit
-        if limit is None:
-            if requested is None or requested < 1:
-                raise ValueError(f"the target's config declares no position limit (none of "
-                                 f"{', '.join(POSITION_LIMIT_KEYS)}): pass max_model_len (--max-model-len N)")
-            return int(requested)
-        key, n = limit
-        if requested is not None and not 0 < requested <= n:
-            raise ValueError(f"max_model_len must be in 1..{n} (the target's {key}), got {requested}")
-        return int(requested or n)
-
-    def _check_draft_positions(self) -> None:
-        """A draft with a learned position table shorter than max_model_len is refused (a longer request would
-        index past it: IndexError); a RoPE / ALiBi draft declaring fewer positions is served with a warning.
-        vLLM likewise bounds the draft by min(draft length, max_model_len) (``vllm/config/speculative.py``,
-        ``_maybe_override_draft_max_model_len``)."""
-        limit = position_limit(self.draft_model.config)
-        if limit is None or limit[1] >= self.max_model_len:
-            return
-        key, n = limit
-        if has_learned_positions(self.draft_model):
-            raise ValueError(f"the draft model {self.spec.model!r} has learned positions for {key}={n} tokens, fewer "
-                             f"than max_model_len={self.max_model_len}: a request longer than {n} tokens would index "
-                             f"past its position table. Serve with --max-model-len {n} (max_model_len={n}), or use a "
-                             f"draft with {key} >= {self.max_model_len}")
-        logger.warning("the draft model %r declares %s=%d, fewer than max_model_len=%d: past %d tokens it drafts at "
-                       "positions it was not trained on (output unchanged, acceptance may drop); --max-model-len %d "
-                       "stays within it", self.spec.model, key, n, self.max_model_len, n, n)
 
     def _check_head_positions(self) -> None:
         """An EAGLE-3 head (RoPE, computed per position) declaring fewer positions than max_model_len runs past
@@ -453,12 +481,14 @@ class Engine:
         """Load ``target`` (a Hub id, a folder, or ``reference``) on ``device`` (default: cuda when
         available) and build the engine; ``served_model_name`` defaults to ``target``.
 
-        Before loading, ``inference.memory.plan_for_engine`` estimates weights + KV caches of the target and
-        the drafter for ``max_model_len`` and compares them with the device's free memory
+        Before loading, a draft model's position table is checked against max_model_len from the configs
+        (``check_draft_positions``), and ``inference.memory.plan_for_engine`` estimates weights + KV caches of the
+        target and the drafter for ``max_model_len`` and compares them with the device's free memory
         (``check_memory=False`` skips it).
 
         Raises:
             MemoryPlanError (a ValueError): the plan does not fit; the message says what to change.
+            ValueError: as ``Engine`` (a draft's learned position table shorter than max_model_len, ...).
         """
         from draftsmith.models import load_causal_lm
 
@@ -466,6 +496,8 @@ class Engine:
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         speculative_config = SpeculativeConfig.parse(speculative_config)
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            _check_draft_before_loading(target, speculative_config, max_model_len, revision)
         if check_memory:
             plan = plan_for_engine(target, speculative_config, dtype=dtype, device=device,
                                    max_model_len=max_model_len, revision=revision)

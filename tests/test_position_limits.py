@@ -82,6 +82,31 @@ def test_engine_refuses_a_draft_with_learned_positions_shorter_than_max_model_le
     assert engine.generate(prompt, cfg).tokens == Engine(target, tokenizer).generate(prompt, cfg).tokens
 
 
+def test_from_pretrained_refuses_the_draft_before_loading_the_target(tmp_path, monkeypatch):
+    import draftsmith.models
+    from draftsmith import reference
+
+    tokenizer = reference.target()[1]
+    draft = gpt2()
+    draft.resize_token_embeddings(len(tokenizer))
+    spec = {"method": "draft_model", "model": saved(draft, tokenizer, tmp_path / "draft"), "num_speculative_tokens": 3}
+    monkeypatch.setattr(draftsmith.models, "load_causal_lm", lambda *a, **k: pytest.fail("loaded weights"))
+    with pytest.raises(ValueError, match=f"n_positions={SHORT} tokens, fewer than max_model_len=2048.*--max-model-len"):
+        Engine.from_pretrained("reference", spec, check_memory=False)
+
+
+def test_the_memory_plan_reads_the_limit_of_any_config(tiny_llama):
+    from transformers import BloomConfig
+
+    from draftsmith.inference.memory import plan_memory
+
+    assert plan_memory(gpt2().config, free_bytes=2**40).max_model_len == SHORT            # n_positions
+    alibi = BloomConfig(vocab_size=V, hidden_size=32, n_layer=1, n_head=2)                 # declares no limit
+    with pytest.raises(ValueError, match="pass max_model_len"):
+        plan_memory(alibi, free_bytes=2**40)
+    assert plan_memory(alibi, max_model_len=128, free_bytes=2**40).max_model_len == 128
+
+
 def test_a_rope_draft_declaring_fewer_positions_is_served_with_a_warning(target, tokenizer, tiny_llama, tmp_path,
                                                                          caplog):
     draft = tiny_llama(seed=1, vocab_size=V, num_hidden_layers=1)
