@@ -223,18 +223,19 @@ class TextStream:
     """Decoded text of a growing token list, with stop strings and streamed deltas.
 
     Tokens are read one at a time however they arrive (plain decoding: one per step; speculative: an accepted
-    chunk of 1..k+1), so the outcome depends on the tokens only, never on the chunking. Decoded text is split in:
+    chunk of 1..k+1), so the outcome depends on the tokens only, never on the chunking. After each token the
+    decoded text is split in:
 
         final text   what later tokens cannot change: everything before a trailing incomplete character
         open tail    the trailing '\\ufffd' a byte-level decode ends in while a character's bytes are split
-                     across tokens ('é' = 2 bytes, '。' 3, '😀' 4); it turns final when the character completes
-                     (or at ``finish``)
+                     across tokens ('é' = 2 bytes, '→' and '。' 3, '😀' 4); it turns final when the character
+                     completes (or at ``finish``)
 
-    ``text`` is the final text and only grows (until cut at a stop string). Incremental decoding as TGI's
-    ``decode_token`` / vLLM's ``detokenize_incrementally``: decode the window ``tokens[prefix:]`` that starts at
-    an earlier clean boundary (a point where all text was final, so the window starts on a character boundary,
-    with one clean step of context so that a tokenizer's start-of-text rule, e.g. SentencePiece's leading space,
-    is not applied mid-text); a step that ends clean slides the window.
+    ``text`` is the final text and only grows (until cut at a stop string): the tokens are decoded whole (a window
+    of the last tokens would drop the space before a word that follows a skipped special token), special tokens
+    skipped, without ``clean_up_tokenization_spaces`` (it rewrites text already final, "a ." -> "a."; transformers
+    5 ignores it for BPE, vLLM's detokenizer never applies it), and what extends the final text is appended. A
+    decode that does not extend it (a tokenizer whose decode is not prefix-stable) adds nothing until one does.
 
     Stop point (canonical): the fewest tokens n whose decoded text, trailing '\\ufffd' stripped, contains a stop
     string. ``add`` then cuts ``tokens`` after token n and ``text`` before the earliest stop string found, sends
@@ -255,11 +256,9 @@ class TextStream:
         self.text = ""
         self.stopped = False
         self.sent = 0
-        self._prefix = self._read = 0       # window = tokens[_prefix:]; the text of tokens[:_read] is all final
-        self._window_final = 0              # characters of the window's decode already in self.text
 
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _find_stop(self, text: str, start: int) -> int | None:
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
@@ -269,29 +268,17 @@ class TextStream:
         """Read ``chunk`` token by token; raises ``_StopStringFound`` at the token that completes a stop string."""
         for token in chunk:
             self.tokens.append(int(token))
-            if self._read_token():
+            if self._extend(self._decode().rstrip("\ufffd")):
                 self.finish()
                 raise _StopStringFound
         self._send(self._safe_end())
 
-    def _read_token(self) -> bool:
-        """Decode the window after one more token; append what turned final. True: a stop string was found."""
-        window = self._decode(self.tokens[self._prefix:])
-        final = len(window.rstrip("\ufffd"))
-        if final > self._window_final:
-            found = self._append(window[self._window_final:final])
-            self._window_final = final
-            if found:
-                return True
-        if final == len(window):                                        # clean: slide the window
-            self._prefix, self._read = self._read, len(self.tokens)
-            self._window_final = len(self._decode(self.tokens[self._prefix:self._read]))
-        return False
-
-    def _append(self, piece: str) -> bool:
-        """Extend the final text; cut it before a stop string that now appears (True) or not (False)."""
-        start = max(0, len(self.text) - self.longest_stop + 1)          # a new hit ends inside ``piece``
-        self.text += piece
+    def _extend(self, decoded: str) -> bool:
+        """Append what ``decoded`` adds to the final text; cut it before a stop string that now appears (True)."""
+        if len(decoded) <= len(self.text) or not decoded.startswith(self.text):
+            return False
+        start = max(0, len(self.text) - self.longest_stop + 1)          # a new hit ends in the appended part
+        self.text = decoded
         hit = self._find_stop(self.text, start) if self.stop else None
         if hit is not None:
             self.text, self.stopped = self.text[:hit], True
@@ -315,10 +302,7 @@ class TextStream:
     def finish(self) -> None:
         """End of generation: the open tail is final now (searched for stop strings); send what is held back."""
         if not self.stopped:
-            window = self._decode(self.tokens[self._prefix:])
-            if len(window) > self._window_final:
-                self._append(window[self._window_final:])
-                self._window_final = len(window)
+            self._extend(self._decode())
         self._send(len(self.text))
 
 

@@ -118,6 +118,50 @@ def test_streamed_deltas_are_final_and_hold_back_stop_prefixes(tokenizer, script
         assert "".join(sent) == expected_stop(tokenizer, script_ids, stops)[1]
 
 
+def sentencepiece_style_tokenizer():
+    """A Llama-2-style tokenizer built in memory: '▁' for spaces, byte fallback (<0xNN>) for characters outside
+    the vocabulary, and a decoder that strips the leading space of whatever it decodes (so decode(a + b) is not
+    decode(a) + decode(b))."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{i:02X}>": 3 + i for i in range(256)}
+    pieces = ["▁", "▁h", "▁he", "▁hel", "▁hell", "▁hello", "▁w", "▁wo", "▁wor", *"abcdefghijklmnopqrstuvwxyz"]
+    vocab |= {p: len(vocab) + i for i, p in enumerate(pieces)}
+    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o"), ("▁", "w"), ("▁w", "o"),
+              ("▁wo", "r")]
+    backend = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_a_tokenizer_that_strips_the_leading_space_stops_at_the_same_token():
+    tokenizer = sentencepiece_style_tokenizer()
+    ids = tokenizer("hello world 😀 café → 日本。 done", add_special_tokens=False).input_ids
+    assert tokenizer.decode(ids[:1]) + tokenizer.decode(ids[1:2]) == "hellowor" != tokenizer.decode(ids[:2])
+    for stops in (["never there"], ["→"], ["😀"], ["é"], ["。"], ["world 😀"], [" d"], ["hello"]):
+        want_tokens, want_text, stopped = expected_stop(tokenizer, ids, stops)
+        for sizes in CHUNKINGS:
+            stream, raised, sent = stream_through(tokenizer, chunks(ids, sizes), stops)
+            where = f"stop {stops} chunks {sizes}"
+            assert (stream.tokens, stream.text, raised, "".join(sent)) == (want_tokens, want_text, stopped,
+                                                                            want_text), where
+
+
+def test_text_is_the_whole_decode_with_special_tokens_between_words(word_tokenizer):
+    """A skipped special token between two words keeps the space the whole decode puts there (a decode window
+    starting at the special token would lose it)."""
+    tokenizer = word_tokenizer(96)
+    ids = [5, 2, 6, 7, 2, 2, 8]                                  # w2 is <unk>, special
+    for sizes in CHUNKINGS:
+        stream, raised, sent = stream_through(tokenizer, chunks(ids, sizes), ["w8"])
+        assert stream.text == "".join(sent) == "w5 w6 w7 " and raised
+        stream, _, sent = stream_through(tokenizer, chunks(ids, sizes), [])
+        assert stream.text == "".join(sent) == tokenizer.decode(ids, skip_special_tokens=True) == "w5 w6 w7 w8"
+
+
 class ScriptedTarget(LlamaForCausalLM):
     """The reference target made to continue a prompt of ``prompt_len`` tokens with ``script``: the row at
     position prompt_len - 1 + i gets the logit of script[i] raised above the row's maximum. Everything else
