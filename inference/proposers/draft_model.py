@@ -97,8 +97,9 @@ class DraftModelProposer(Proposer):
         """Draft ``k`` tokens (k forwards of the draft; the first also reads the uncached context).
 
         A draft with learned positions (GPT-2 ``wpe``, OPT) drafts only what fits its position table: d1..dk
-        are read at positions len(context)..len(context)+k-2, so k <= limit + 1 - len(context) (none past it;
-        the target then decodes alone, as vLLM skips speculation past the draft's length)."""
+        are read at positions len(context)..len(context)+k-2, so k <= limit + 1 - len(context) (none past it:
+        the target decodes alone there, as sequences past vLLM's ``speculative_max_model_len`` skip speculation;
+        the engine refuses such a draft up front, ``engine.check_draft_positions``)."""
         if self.lm.learned_positions:
             k = min(k, self.lm.position_limit[1] + 1 - len(self._context))
         if k <= 0:
