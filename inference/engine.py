@@ -15,20 +15,26 @@ Startup:
   1. parse the speculative config (unknown keys, bad values -> ValueError);
   2. eagle3: ``export.check.load_eagle3`` checks the head's metadata against the target and tokenizer
      (a mismatch raises ``HeadMismatchError``: the engine does not start); the head is loaded ONCE and
-     the target is wrapped with the head's aux layers;
+     the target is wrapped with the head's aux layers; k above the head's trained depth (``ttt_steps`` of
+     draftsmith.json) is served with one warning (``proposers.eagle3.warn_beyond_trained_depth``);
      mlp_speculator: ``export.mlp_speculator.load_mlp_speculator`` checks it the same way; k must not exceed
      its n_predict stages (as vLLM refuses);
      draft_model: the draft is loaded once (``models.load_causal_lm``) and must share the target's
      tokenizer (``check_same_tokenizer``) and vocabulary size; a draftsmith export (a directory with
      draftsmith.json) must also record this target (``export.draft_model.check_draft_model``,
      ``HeadMismatchError`` naming the field; ``allow_mismatch`` applies);
+     max_model_len (default: the target's declared position limit) must fit a draft's learned position table
+     (GPT-2 ``n_positions``, OPT ``max_position_embeddings``; ValueError naming both and ``--max-model-len``);
+     a RoPE draft or EAGLE-3 head declaring fewer positions is served with a warning;
   3. per request: a fresh proposer around the loaded head / draft (proposers hold per-sequence state).
 
 Requests are served one at a time: the runtime's unit is one sequence (batch size 1), so ``generate``
 holds a lock for the whole sequence and concurrent callers queue behind it (the server adds a
-single-worker thread as its FIFO queue). Stop strings are found on the decoded text: the output is
-cut before the first stop string, generation ends at the token that completed it (finish_reason
-'stop'), and streamed text holds back any tail that could still become a stop string.
+single-worker thread as its FIFO queue). Stop strings are found on the decoded text that is final
+(``TextStream``: no character still split across tokens), token by token whatever the chunking, so plain
+and speculative decoding stop at the same token: the output is cut before the first stop string,
+generation ends at the token that completed it (finish_reason 'stop'), and streamed text is final text
+minus any tail that could still become a stop string.
 """
 from __future__ import annotations
 
@@ -45,7 +51,7 @@ import torch
 from .generate import GenerationConfig, GenerationResult, SpecStats, generate_plain, generate_speculative
 from .metrics import EngineMetrics
 from .proposers import DraftModelProposer, NgramProposer, Proposal, Proposer, check_same_tokenizer
-from .target import TargetModel
+from .target import POSITION_LIMIT_KEYS, TargetModel, has_learned_positions, position_limit
 
 logger = logging.getLogger(__name__)
 
@@ -216,10 +222,30 @@ class _CountingProposer(Proposer):
 class TextStream:
     """Decoded text of a growing token list, with stop strings and streamed deltas.
 
-    ``add(chunk)`` decodes the tokens so far; when a stop string appears it cuts ``tokens`` after the
-    token that completed it and ``text`` before the stop string, sends the rest and raises
-    ``_StopStringFound``. Deltas sent to ``on_text`` hold back a trailing incomplete character
-    ('\\ufffd') and any tail that is a prefix of a stop string; ``finish()`` sends what is left.
+    Tokens are read one at a time however they arrive (plain decoding: one per step; speculative: an accepted
+    chunk of 1..k+1), so the outcome depends on the tokens only, never on the chunking. After each token the
+    decoded text is split in:
+
+        final text   what later tokens cannot change: everything before a trailing incomplete character
+        open tail    the trailing '\\ufffd' a byte-level decode ends in while a character's bytes are split
+                     across tokens ('é' = 2 bytes, '→' and '。' 3, '😀' 4); it turns final when the character
+                     completes (or at ``finish``)
+
+    ``text`` is the final text and only grows (until cut at a stop string): the tokens are decoded whole (a window
+    of the last tokens would drop the space before a word that follows a skipped special token), special tokens
+    skipped, without ``clean_up_tokenization_spaces`` (it rewrites text already final, "a ." -> "a."; transformers
+    5 ignores it for BPE, vLLM's detokenizer never applies it), and what extends the final text is appended. A
+    decode that does not extend it (a tokenizer whose decode is not prefix-stable) adds nothing until one does.
+
+    Stop point (canonical): the fewest tokens n whose decoded text, trailing '\\ufffd' stripped, contains a stop
+    string. ``add`` then cuts ``tokens`` after token n and ``text`` before the earliest stop string found, sends
+    the rest and raises ``_StopStringFound``. Deltas sent to ``on_text`` are final text only, holding back any
+    tail that may start a stop string, so nothing sent is ever changed or lies past a stop; ``finish()`` sends
+    what is left (the open tail becomes final, and is searched for stop strings too).
+
+    Attributes:
+        tokens: the tokens read (cut after the stop point). text: the final text (cut before a stop string).
+        stopped: True once a stop string was found.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None):
@@ -228,40 +254,41 @@ class TextStream:
         self.longest_stop = max((len(s) for s in self.stop), default=0)
         self.tokens: list[int] = []
         self.text = ""
+        self.stopped = False
         self.sent = 0
 
-    def _decode(self, tokens: list[int]) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+    def _decode(self) -> str:
+        return self.tokenizer.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _find_stop(self, text: str, start: int) -> int | None:
         hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
         return min(hits) if hits else None
 
     def add(self, chunk: Sequence[int]) -> None:
-        first_new = len(self.tokens)
-        self.tokens.extend(int(t) for t in chunk)
-        text = self._decode(self.tokens)
-        if self.stop:
-            # a stop string wholly inside the old text would have been found already
-            start = max(0, min(len(self.text), len(text)) - self.longest_stop + 1)
-            if self._find_stop(text, start) is not None:
-                for end in range(first_new + 1, len(self.tokens) + 1):     # fewest tokens that complete it
-                    text = self._decode(self.tokens[:end])
-                    hit = self._find_stop(text, 0)
-                    if hit is not None:
-                        del self.tokens[end:]
-                        self.text = text[:hit]
-                        break
+        """Read ``chunk`` token by token; raises ``_StopStringFound`` at the token that completes a stop string."""
+        for token in chunk:
+            self.tokens.append(int(token))
+            if self._extend(self._decode().rstrip("\ufffd")):
                 self.finish()
                 raise _StopStringFound
-        self.text = text
-        self._send(self._safe_end(text))
+        self._send(self._safe_end())
 
-    def _safe_end(self, text: str) -> int:
-        """How much of ``text`` can be sent now: no trailing '\\ufffd', no tail that may start a stop string."""
-        end = len(text.rstrip("\ufffd"))
+    def _extend(self, decoded: str) -> bool:
+        """Append what ``decoded`` adds to the final text; cut it before a stop string that now appears (True)."""
+        if len(decoded) <= len(self.text) or not decoded.startswith(self.text):
+            return False
+        start = max(0, len(self.text) - self.longest_stop + 1)          # a new hit ends in the appended part
+        self.text = decoded
+        hit = self._find_stop(self.text, start) if self.stop else None
+        if hit is not None:
+            self.text, self.stopped = self.text[:hit], True
+        return hit is not None
+
+    def _safe_end(self) -> int:
+        """How much of ``text`` can be sent now: all but a tail that may start a stop string."""
+        end = len(self.text)
         for n in range(min(self.longest_stop - 1, end), 0, -1):
-            tail = text[end - n:end]
+            tail = self.text[end - n:]
             if any(s.startswith(tail) for s in self.stop):
                 return end - n
         return end
@@ -273,8 +300,69 @@ class TextStream:
                 self.on_text(delta)
 
     def finish(self) -> None:
-        """Send whatever text is still held back."""
+        """End of generation: the open tail is final now (searched for stop strings); send what is held back."""
+        if not self.stopped:
+            self._extend(self._decode())
         self._send(len(self.text))
+
+
+def resolve_max_model_len(limit: tuple[str, int] | None, requested: int | None) -> int:
+    """max_model_len: ``requested``, at most (and by default) the target's declared position limit ``limit``
+    (``target.position_limit``: ``(config key, positions)``).
+
+    Raises:
+        ValueError: ``requested`` outside 1..limit, or missing when the target declares no limit.
+    """
+    if limit is None:
+        if requested is None or requested < 1:
+            raise ValueError(f"the target's config declares no position limit (none of "
+                             f"{', '.join(POSITION_LIMIT_KEYS)}): pass max_model_len (--max-model-len N)")
+        return int(requested)
+    key, n = limit
+    if requested is not None and not 0 < requested <= n:
+        raise ValueError(f"max_model_len must be in 1..{n} (the target's {key}), got {requested}")
+    return int(requested or n)
+
+
+def check_draft_positions(draft_model, name: str, max_model_len: int, warn: bool = True) -> None:
+    """Refuse a draft whose learned position table is shorter than ``max_model_len`` (a longer request would index
+    past it: IndexError mid-request); a RoPE / ALiBi draft declaring fewer positions is served with a warning.
+    vLLM likewise bounds the draft by min(draft length, max_model_len) (``vllm/config/speculative.py``,
+    ``_maybe_override_draft_max_model_len``). ``draft_model`` may live on the meta device (checked before loading;
+    ``warn=False`` leaves the warning to the engine's own check).
+
+    Raises:
+        ValueError: naming the draft's config key and length, max_model_len and the fix (``--max-model-len``).
+    """
+    limit = position_limit(draft_model.config)
+    if limit is None or limit[1] >= max_model_len:
+        return
+    key, n = limit
+    if has_learned_positions(draft_model):
+        raise ValueError(f"the draft model {name!r} has learned positions for {key}={n} tokens, fewer than "
+                         f"max_model_len={max_model_len}: a request longer than {n} tokens would index past its "
+                         f"position table. Serve with --max-model-len {n} (max_model_len={n}), or use a draft with "
+                         f"{key} >= {max_model_len}")
+    if warn:
+            logger.warning("the draft model %r declares %s=%d, fewer than max_model_len=%d: past %d tokens it drafts "
+                       "at positions it was not trained on (output unchanged, acceptance may drop); --max-model-len "
+                       "%d stays within it", name, key, n, max_model_len, n, n)
+
+
+def _check_draft_before_loading(target: str, spec: "SpeculativeConfig", max_model_len: int | None,
+                                revision: str | None) -> None:
+    """``check_draft_positions`` from the configs alone (the draft built on the meta device), so that a draft the
+    engine would refuse is refused before the target's weights are loaded."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from draftsmith import reference
+
+    target_config = AutoConfig.from_pretrained(reference.resolve(target), revision=revision)
+    draft_config = AutoConfig.from_pretrained(reference.resolve(spec.model))
+    with torch.device("meta"):
+        draft = AutoModelForCausalLM.from_config(draft_config)
+    check_draft_positions(draft, spec.model, resolve_max_model_len(position_limit(target_config), max_model_len),
+                          warn=False)
 
 
 def _eos_ids(model, tokenizer) -> tuple[int, ...]:
@@ -297,12 +385,13 @@ class Engine:
         allow_mismatch: target identity fields a checked head / exported draft may differ in (as
             ``load_eagle3``; CLI ``--allow-mismatch``).
         max_model_len: longest prompt + completion served, in tokens (default and upper bound: the target's
-            max_position_embeddings; as vLLM's ``--max-model-len``).
+            declared position limit, ``max_position_embeddings`` or ``n_positions``; as vLLM's ``--max-model-len``).
 
     Raises:
         ValueError: a bad speculative config or max_model_len; a draft model whose tokenizer or vocabulary is
-            not the target's; num_speculative_tokens above an MLP speculator's n_predict. ``HeadMismatchError``
-            (a ValueError): an EAGLE-3 head or MLP speculator that does not fit the target.
+            not the target's, or whose learned position table is shorter than max_model_len;
+            num_speculative_tokens above an MLP speculator's n_predict. ``HeadMismatchError`` (a ValueError):
+            an EAGLE-3 head or MLP speculator that does not fit the target.
     """
 
     def __init__(self, model, tokenizer, speculative_config=None, *, model_name: str = "draftsmith",
@@ -315,10 +404,15 @@ class Engine:
         if self.spec is not None and self.spec.method == "eagle3":
             from draftsmith.export.check import load_eagle3
 
-            head, _ = load_eagle3(self.spec.model, target_model=model, tokenizer=tokenizer,
-                                  allow_mismatch=allow_mismatch)
+            from .proposers.eagle3 import warn_beyond_trained_depth
+
+            head, meta = load_eagle3(self.spec.model, target_model=model, tokenizer=tokenizer,
+                                     allow_mismatch=allow_mismatch)
             head.to(device).bind_embedding(model.get_input_embeddings())
             self.head, aux_layer_ids = head, head.config.aux_layer_ids
+            ttt_steps = meta.ttt_steps if meta.ttt_steps is not None else head.config.ttt_steps
+            warn_beyond_trained_depth(self.spec.num_speculative_tokens, ttt_steps,
+                                      f"the EAGLE-3 head {self.spec.model!r}")
         elif self.spec is not None and self.spec.method == "mlp_speculator":
             from draftsmith.export.mlp_speculator import load_mlp_speculator
 
@@ -344,14 +438,24 @@ class Engine:
         if self.draft_model is not None:
             DraftModelProposer(self.draft_model, self.target.vocab_size)   # refuses a vocab size mismatch now
         self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
-        limit = int(self.target.config.max_position_embeddings)
-        if max_model_len is not None and not 0 < max_model_len <= limit:
-            raise ValueError(f"max_model_len must be in 1..{limit} (the target's max_position_embeddings), "
-                             f"got {max_model_len}")
-        self.max_model_len = int(max_model_len or limit)
+        self.max_model_len = resolve_max_model_len(self.target.position_limit, max_model_len)
+        if self.draft_model is not None:
+            check_draft_positions(self.draft_model, self.spec.model, self.max_model_len)
+        if self.head is not None and self.spec.method == "eagle3":
+            self._check_head_positions()
         self.eos_token_ids = _eos_ids(model, tokenizer)
         self.metrics = EngineMetrics(self.k)
         self._lock = threading.Lock()
+
+    def _check_head_positions(self) -> None:
+        """An EAGLE-3 head (RoPE, computed per position) declaring fewer positions than max_model_len runs past
+        them untrained: a warning, not a refusal (vLLM serves it to the target's length)."""
+        n = int(self.head.config.max_position_embeddings)
+        if n < self.max_model_len:
+            logger.warning("the EAGLE-3 head %r declares max_position_embeddings=%d, fewer than max_model_len=%d: "
+                           "past %d tokens it drafts at positions it was not trained on (output unchanged, acceptance "
+                           "may drop); --max-model-len %d stays within it", self.spec.model, n, self.max_model_len,
+                           n, n)
 
     @classmethod
     def from_pretrained(cls, target: str, speculative_config=None, *, revision: str | None = None,
@@ -361,12 +465,14 @@ class Engine:
         """Load ``target`` (a Hub id, a folder, or ``reference``) on ``device`` (default: cuda when
         available) and build the engine; ``served_model_name`` defaults to ``target``.
 
-        Before loading, ``inference.memory.plan_for_engine`` estimates weights + KV caches of the target and
-        the drafter for ``max_model_len`` and compares them with the device's free memory
+        Before loading, a draft model's position table is checked against max_model_len from the configs
+        (``check_draft_positions``), and ``inference.memory.plan_for_engine`` estimates weights + KV caches of the
+        target and the drafter for ``max_model_len`` and compares them with the device's free memory
         (``check_memory=False`` skips it).
 
         Raises:
             MemoryPlanError (a ValueError): the plan does not fit; the message says what to change.
+            ValueError: as ``Engine`` (a draft's learned position table shorter than max_model_len, ...).
         """
         from draftsmith.models import load_causal_lm
 
@@ -374,6 +480,8 @@ class Engine:
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         speculative_config = SpeculativeConfig.parse(speculative_config)
+        if speculative_config is not None and speculative_config.method == "draft_model":
+            _check_draft_before_loading(target, speculative_config, max_model_len, revision)
         if check_memory:
             plan = plan_for_engine(target, speculative_config, dtype=dtype, device=device,
                                    max_model_len=max_model_len, revision=revision)
@@ -386,7 +494,7 @@ class Engine:
 
     def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         """Refuse (``RequestError``) an empty prompt, ids outside the vocabulary, or prompt + max_new_tokens
-        beyond the target's max_position_embeddings."""
+        beyond ``max_model_len``."""
         n = len(prompt_ids)
         if n == 0:
             raise RequestError("the prompt is empty (0 tokens)", "invalid_prompt", "prompt")
@@ -466,6 +574,8 @@ class Engine:
                 if counting is not None:
                     self.metrics.record_spec(counting.stats)
             text.finish()
+            if text.stopped:                  # found in the tail that only the end of generation made final
+                finish_reason = "stop"
         latency = time.perf_counter() - arrival
         ttft = first_token_at - arrival if first_token_at is not None else None
         self.metrics.record_request(len(prompt), len(text.tokens), finish_reason, ttft, latency)

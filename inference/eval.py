@@ -100,7 +100,11 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], proposers: d
 
     ``proposers`` maps a method name to a factory of fresh proposers; ``aux_layer_ids`` are the EAGLE-3
     head's (the plain baseline runs without hidden-state output). Report layout:
-    ``{"config", "tasks": {task: {"plain": {...}, method: row}}}`` (see ``MethodResult.row``)."""
+    ``{"config", "tasks": {task: {"plain": {...}, method: row}}}`` (see ``MethodResult.row``).
+
+    Raises:
+        ValueError: before anything runs, when a prompt + ``cfg.max_new_tokens`` exceeds the target's position
+            limit (the prompts are named)."""
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     plain_target = TargetModel(target_model, tokenizer)
@@ -108,12 +112,14 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], proposers: d
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=[tokenizer.eos_token_id])
     report = {"config": {"k": cfg.k, "max_new_tokens": cfg.max_new_tokens, "methods": list(proposers)},
               "tasks": {}}
+    tasks = {task: records[: cfg.prompts_per_task] if cfg.prompts_per_task else records
+             for task, records in tasks.items()}
+    prompts = {task: [prompt_ids(tokenizer, rec["messages"]) for rec in records] for task, records in tasks.items()}
+    _check_lengths(tasks, prompts, cfg.max_new_tokens, plain_target.position_limit)
     for task, records in tasks.items():
-        records = records[: cfg.prompts_per_task] if cfg.prompts_per_task else records
         plain_seconds, plain_tokens = 0.0, 0
         results = {m: MethodResult(SpecStats(k=cfg.k)) for m in proposers}
-        for rec in tqdm(records, desc=f"eval {task}"):
-            ids = prompt_ids(tokenizer, rec["messages"])
+        for ids in tqdm(prompts[task], desc=f"eval {task}"):
             t0 = time.perf_counter()
             plain = generate_plain(plain_target, ids, gen)
             plain_seconds += time.perf_counter() - t0
@@ -136,6 +142,24 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], proposers: d
             **{m: r.row(plain_seconds) for m, r in results.items()},
         }
     return report
+
+
+def _check_lengths(tasks: dict[str, list[dict]], prompts: dict[str, list[list[int]]], max_new_tokens: int,
+                   limit: tuple[str, int] | None) -> None:
+    """Refuse, before anything runs, prompts whose length + max_new_tokens exceeds the target's position limit
+    (``TargetModel.position_limit``), naming them (task/id) and the fix."""
+    if limit is None:
+        return
+    key, n = limit
+    long = [(f"{task}/{rec.get('id', i)}", len(ids)) for task, records in tasks.items()
+            for i, (rec, ids) in enumerate(zip(records, prompts[task])) if len(ids) + max_new_tokens > n]
+    if long:
+        longest = max(length for _, length in long)
+        names = ", ".join(f"{name} ({length} tokens)" for name, length in long[:5])
+        fix = (f"lower eval.max_new_tokens to {n - longest} or leave them out" if longest < n
+               else f"leave them out (the longest alone has {longest} tokens)")
+        raise ValueError(f"{len(long)} eval prompt(s) + max_new_tokens={max_new_tokens} exceed the target's {key} "
+                         f"({n}): {names}{' ...' if len(long) > 5 else ''}; {fix}")
 
 
 def format_table(report: dict) -> str:

@@ -148,6 +148,19 @@ def _as_prompt(prompt_ids) -> torch.Tensor:
     return prompt
 
 
+def _check_length(target: TargetModel, prompt: torch.Tensor, cfg: GenerationConfig) -> None:
+    """Refuse a prompt + max_new_tokens longer than the target's declared position limit (what the engine's
+    max_model_len is bounded by), before any forward: past it a learned position table raises IndexError."""
+    if target.position_limit is None:
+        return
+    key, limit = target.position_limit
+    n = prompt.numel()
+    if n + cfg.max_new_tokens > limit:
+        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {n + cfg.max_new_tokens} "
+                         f"exceeds the target's {key} ({limit}); shorten the prompt or set max_new_tokens <= "
+                         f"{max(limit - n, 0)}")
+
+
 def _generator(cfg: GenerationConfig, device: torch.device) -> torch.Generator:
     generator = torch.Generator(device=device)
     if cfg.seed is None:
@@ -204,9 +217,10 @@ def generate_plain(target: TargetModel, prompt_ids, cfg: GenerationConfig,
         ``GenerationResult`` with ``stats=None``.
 
     Raises:
-        ValueError: an empty or batched prompt.
+        ValueError: an empty or batched prompt; prompt + max_new_tokens beyond the target's position limit.
     """
     prompt = _as_prompt(prompt_ids)
+    _check_length(target, prompt, cfg)
     out = _Output(cfg, on_tokens)
     if out.finish_reason:
         return GenerationResult(out.tokens, out.finish_reason, None, 0)
@@ -259,8 +273,9 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
         ``GenerationResult`` with ``SpecStats`` over k positions.
 
     Raises:
-        ValueError: k < 0, an empty/batched prompt, a proposer needing aux states with a target
-            that has no ``aux_layer_ids``, or a proposal breaking the ``Proposer`` contract.
+        ValueError: k < 0, an empty/batched prompt, prompt + max_new_tokens beyond the target's position
+            limit, a proposer needing aux states with a target that has no ``aux_layer_ids``, or a proposal
+            breaking the ``Proposer`` contract.
     """
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
@@ -268,6 +283,7 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
         raise ValueError(f"{type(proposer).__name__} reads the target's aux hidden states: build the "
                          f"TargetModel with aux_layer_ids (e.g. from the head's config)")
     prompt = _as_prompt(prompt_ids)
+    _check_length(target, prompt, cfg)
     stats = SpecStats(k=k)
     out = _Output(cfg, on_tokens)
     if out.finish_reason:

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from .target import position_limit
+
 MARGIN = 0.10
 MIB = 2**20
 _SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
@@ -186,7 +188,8 @@ def plan_memory(target_config, *, dtype: str = "float32", device: str = "cpu", m
     Args:
         target_config: the target's transformers ``PretrainedConfig``.
         dtype: serving dtype name of the target and draft model. device: 'cpu' or 'cuda[:i]'.
-        max_model_len: tokens per sequence (default: the target's max_position_embeddings).
+        max_model_len: tokens per sequence (default: the target's declared position limit, ``max_position_embeddings``
+            or ``n_positions``: ``target.position_limit``).
         max_num_seqs: sequences whose KV caches live at once (the engine: 1).
         method: None (no speculation), 'ngram', 'draft_model' (needs ``draft_config``), 'eagle3'
             (needs ``head_dir``, an exported head directory or one of its format folders) or 'mlp_speculator'
@@ -197,10 +200,13 @@ def plan_memory(target_config, *, dtype: str = "float32", device: str = "cpu", m
         A ``MemoryPlan`` whose ``advice`` is filled when it does not fit; call ``check()`` to enforce it.
 
     Raises:
-        ValueError: a drafter method without its config / head directory.
+        ValueError: a drafter method without its config / head directory; no max_model_len for a target that
+            declares no position limit.
     """
-    c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-    max_model_len = int(max_model_len or c.max_position_embeddings)
+    limit = position_limit(target_config)
+    if not max_model_len and limit is None:
+        raise ValueError("plan_memory: the target's config declares no position limit: pass max_model_len")
+    max_model_len = int(max_model_len or limit[1])
     b = dtype_bytes(dtype)
     items: dict[str, int] = {"target weights": parameter_count(target_config) * b}
     per_token = {"target KV cache": kv_bytes_per_token(target_config, dtype)}

@@ -24,6 +24,33 @@ import torch
 
 from .cache import KVCache
 
+#: config keys that bound a model's positions, as vLLM's ``_get_and_verify_max_len`` reads them (the smallest wins)
+POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                       "max_seq_length", "seq_len")
+
+
+def position_limit(config) -> tuple[str, int] | None:
+    """The most positions a model's config declares: ``(key, value)`` with the key as config.json spells it
+    (GPT-2 ``n_positions``, Llama / OPT ``max_position_embeddings``, MPT ``max_seq_len``); None when it declares
+    none (e.g. BLOOM's ALiBi). Several keys: the smallest, as vLLM (``vllm/config/model.py``)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    stored = c.to_dict()
+    found = [(key, int(stored[key])) for key in POSITION_LIMIT_KEYS if isinstance(stored.get(key), int)]
+    return min(found, key=lambda kv: kv[1]) if found else None
+
+
+def has_learned_positions(model) -> bool:
+    """True when ``model`` holds a learned absolute-position table (GPT-2 / GPT-BigCode ``wpe``, OPT / BioGPT
+    ``embed_positions``): an ``nn.Embedding`` other than the token embedding with as many rows as the declared
+    position limit (OPT: 2 more). Past it a forward fails with IndexError; RoPE and ALiBi models have no such
+    table and run past their declared limit (untrained there)."""
+    limit = position_limit(model.config)
+    if limit is None:
+        return False
+    tokens = model.get_input_embeddings()
+    return any(isinstance(m, torch.nn.Embedding) and m is not tokens and limit[1] <= m.num_embeddings <= limit[1] + 2
+               for m in model.modules())
+
 
 @dataclass
 class TargetStep:
@@ -51,6 +78,11 @@ class TargetModel:
         aux_layer_ids: HF ``output_hidden_states`` indices, strictly ascending, each in 0..N-1; ``None`` skips
             hidden-state output (cheaper) and makes ``TargetStep.aux_hidden`` None.
 
+    Attributes:
+        position_limit: ``(config key, positions)`` the model declares (``position_limit``), or None.
+        learned_positions: True when the model has a learned position table (``has_learned_positions``): no
+            forward may read a position >= ``position_limit``.
+
     Raises:
         ValueError: an aux layer id is outside 0..N-1 or repeated, or the ids are not ascending.
     """
@@ -72,6 +104,8 @@ class TargetModel:
                                  f"give them ascending (heads.eagle3.aux_layer_order_problem)")
             aux_layer_ids = ids
         self.aux_layer_ids: tuple[int, ...] | None = aux_layer_ids
+        self.position_limit = position_limit(self.config)
+        self.learned_positions = has_learned_positions(model)
 
     @property
     def vocab_size(self) -> int:

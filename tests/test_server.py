@@ -198,7 +198,7 @@ def test_stop_string_streaming(plain_client):
 def test_text_stream_holds_back_stop_prefixes():
     class Chars:
         """Each token id is one character."""
-        def decode(self, ids, skip_special_tokens=True):
+        def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
             return "".join(chr(i) for i in ids)
 
     sent = []

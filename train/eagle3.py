@@ -167,7 +167,12 @@ class Eagle3Trainer(DrafterTrainer):
 
     def __init__(self, target, data, vocab_map: VocabMap, head_cfg: HeadConfig, cfg: TrainConfig, out_dir: Path,
                  pad_id: int | None, run_config: dict | None = None, heldout: list[dict] | None = None, tokenizer=None):
+        from draftsmith.inference.proposers.eagle3 import warn_beyond_trained_depth
+
         self.head_cfg = head_cfg
+        if cfg.acceptance.every:                  # in-loop τ drafts k per step: past ttt_steps is untrained
+            warn_beyond_trained_depth(cfg.acceptance.k, head_cfg.ttt_steps, "the head in training",
+                                      "train.acceptance.k")
         super().__init__(Eagle3Spec(head_cfg, vocab_map), target, data, cfg, out_dir, pad_id, run_config, heldout,
                          tokenizer)
 

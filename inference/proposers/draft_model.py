@@ -94,7 +94,14 @@ class DraftModelProposer(Proposer):
         return self.lm.forward(torch.tensor(tokens, dtype=torch.long), self.cache).logits[-1]
 
     def propose(self, k: int) -> Proposal:
-        """Draft ``k`` tokens (k forwards of the draft; the first also reads the uncached context)."""
+        """Draft ``k`` tokens (k forwards of the draft; the first also reads the uncached context).
+
+        A draft with learned positions (GPT-2 ``wpe``, OPT) drafts only what fits its position table: d1..dk
+        are read at positions len(context)..len(context)+k-2, so k <= limit + 1 - len(context) (none past it:
+        the target decodes alone there, as sequences past vLLM's ``speculative_max_model_len`` skip speculation;
+        the engine refuses such a draft up front, ``engine.check_draft_positions``)."""
+        if self.lm.learned_positions:
+            k = min(k, self.lm.position_limit[1] + 1 - len(self._context))
         if k <= 0:
             return Proposal.empty()
         logits = self._next_logits(self._context[len(self._cached):])

@@ -14,12 +14,31 @@ verification (DESIGN.md §7). Head steps run in the head's dtype; batch size 1.
 """
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from draftsmith.heads.eagle3 import Eagle3Head, HeadKV
 
 from ..sampling import logits_to_probs, sample
 from .base import Proposal, Proposer
+
+logger = logging.getLogger(__name__)
+
+
+def warn_beyond_trained_depth(k: int, ttt_steps: int | None, head: str, knob: str = "num_speculative_tokens") -> bool:
+    """Log one warning when k drafts per step exceed the depth an EAGLE-3 head was trained to.
+
+    Training-time test unrolls the head ``ttt_steps`` steps (DESIGN.md §3): chain step i >= ttt_steps was never
+    trained, so drafts past position ``ttt_steps`` are rarely accepted and cost a head step each (output stays
+    lossless). Call it once per engine / run. ``head`` names the head, ``knob`` the setting that holds k.
+    Returns True when it warned (False also when ``ttt_steps`` is unknown)."""
+    if ttt_steps is None or k <= ttt_steps:
+        return False
+    logger.warning("%s=%d exceeds the depth %s was trained for (ttt_steps=%d): drafts past position %d come from "
+                   "untrained steps and are rarely accepted; use %s <= %d or train with ttt_steps >= %d",
+                   knob, k, head, ttt_steps, ttt_steps, knob, ttt_steps, k)
+    return True
 
 
 class Eagle3Proposer(Proposer):
