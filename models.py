@@ -23,9 +23,20 @@ class TargetConfig:
     #: float32 | bfloat16 | float16 | auto (the model's own dtype where the device computes it natively, else
     #: float32: ``draftsmith.precision.resolve_dtype``); capture and serving must use the same
     dtype: str = "float32"
+    device: str = "auto"         #: where the target runs: auto (cuda when available, else cpu) | cpu | cuda | cuda:N
 
 
 DTYPES = DTYPE_NAMES
+
+
+def load_target(cfg: TargetConfig):
+    """(model, tokenizer) of a recipe's target, loaded in ``cfg.dtype`` and moved to ``cfg.device``."""
+    from draftsmith.precision import default_device
+
+    device = default_device() if cfg.device == "auto" else cfg.device
+    dtype = resolve_model_dtype(cfg.name_or_path, cfg.dtype, cfg.revision, device)
+    model, tokenizer = load_causal_lm(cfg.name_or_path, cfg.revision, dtype, role="target")
+    return model.to(device), tokenizer
 
 
 def resolve_model_dtype(name_or_path: str, dtype: str, revision: str | None = None, device=None) -> str:

@@ -374,6 +374,20 @@ def _eos_ids(model, tokenizer) -> tuple[int, ...]:
     return tuple(sorted({int(i) for i in ids if i is not None}))
 
 
+def _in_fast_dtype(head: torch.nn.Module, device: torch.device, what: str) -> torch.nn.Module:
+    """``head`` in a dtype ``device`` computes natively: an export stored in bf16/fp16 runs in float32 on a
+    CPU that emulates half precision (``precision.resolve_dtype`` 'auto'); the change is logged. Drafts stay
+    lossless either way (verification uses the q the head computed)."""
+    from draftsmith.precision import resolve_dtype
+
+    stored = next(head.parameters()).dtype
+    dtype, reason = resolve_dtype("auto", device, model_dtype=stored)
+    if dtype != stored:
+        logger.info("%s: computing in %s instead of its stored %s (%s)", what, dtype, stored, reason)
+        head = head.to(dtype)
+    return head
+
+
 class Engine:
     """Serves one target (batch size 1), with or without speculation.
 
@@ -408,7 +422,8 @@ class Engine:
 
             head, meta = load_eagle3(self.spec.model, target_model=model, tokenizer=tokenizer,
                                      allow_mismatch=allow_mismatch)
-            head.to(device).bind_embedding(model.get_input_embeddings())
+            head = _in_fast_dtype(head.to(device), device, f"the EAGLE-3 head {self.spec.model!r}")
+            head.bind_embedding(model.get_input_embeddings())
             self.head, aux_layer_ids = head, head.config.aux_layer_ids
             ttt_steps = meta.ttt_steps if meta.ttt_steps is not None else head.config.ttt_steps
             warn_beyond_trained_depth(self.spec.num_speculative_tokens, ttt_steps,
@@ -422,7 +437,7 @@ class Engine:
                 raise ValueError(f"speculative config: num_speculative_tokens {self.spec.num_speculative_tokens} > "
                                  f"the MLP speculator's n_predict {head.config.n_predict} (it drafts one token per "
                                  f"stage); use num_speculative_tokens <= {head.config.n_predict}")
-            self.head = head.to(device)
+            self.head = _in_fast_dtype(head.to(device), device, f"the MLP speculator {self.spec.model!r}")
         elif self.spec is not None and self.spec.method == "draft_model":
             from draftsmith.models import load_causal_lm
 
@@ -431,7 +446,7 @@ class Engine:
 
                 check_draft_model(self.spec.model, model, tokenizer, allow_mismatch=allow_mismatch)
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-            draft, draft_tokenizer = load_causal_lm(self.spec.model, dtype=dtype)
+            draft, draft_tokenizer = load_causal_lm(self.spec.model, dtype=dtype, role="draft model")
             check_same_tokenizer(tokenizer, draft_tokenizer)
             self.draft_model = draft.to(device)
         self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
@@ -474,11 +489,12 @@ class Engine:
             MemoryPlanError (a ValueError): the plan does not fit; the message says what to change.
             ValueError: as ``Engine`` (a draft's learned position table shorter than max_model_len, ...).
         """
-        from draftsmith.models import load_causal_lm
+        from draftsmith.models import load_causal_lm, resolve_model_dtype
 
         from .memory import plan_for_engine
 
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_model_dtype(target, dtype, revision, device)        # 'auto' -> what the device runs fast
         speculative_config = SpeculativeConfig.parse(speculative_config)
         if speculative_config is not None and speculative_config.method == "draft_model":
             _check_draft_before_loading(target, speculative_config, max_model_len, revision)
@@ -487,7 +503,7 @@ class Engine:
                                    max_model_len=max_model_len, revision=revision)
             logger.info("%s", plan.summary())
             plan.check()
-        model, tokenizer = load_causal_lm(target, revision=revision, dtype=dtype)
+        model, tokenizer = load_causal_lm(target, revision=revision, dtype=dtype, role="target")
         model.to(device)
         return cls(model, tokenizer, speculative_config, model_name=served_model_name or target,
                    allow_mismatch=allow_mismatch, max_model_len=max_model_len)

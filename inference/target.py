@@ -150,6 +150,10 @@ class TargetModel:
         finally:
             if hook is not None:
                 hook.remove()
+        if cache.length != start + input_ids.numel():
+            raise RuntimeError(f"{type(self.model).__name__} did not extend the KV cache ({start} -> {cache.length} "
+                               f"tokens after reading {input_ids.numel()}): this transformers release ignores the "
+                               f"`cache=` argument; install transformers>=5.24 (pyproject.toml)")
         aux = None
         if self.aux_layer_ids is not None:
             aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)   # [T_new, 3H]
