@@ -142,7 +142,7 @@ def test_recipe_boolean_trap_through_the_cli(tmp_path, capsys):
 def test_recipe_target_and_dtype_checked_before_loading(capsys, monkeypatch):
     import draftsmith.pipeline as pipeline
 
-    monkeypatch.setattr(pipeline, "load_causal_lm", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(pipeline, "load_target", lambda *a, **k: pytest.fail("loaded a model"))
     line = fails(capsys, ["train", "target.name_or_path=/nonexistent"])
     assert "target '/nonexistent' is neither a local folder nor a Hub id" in line and "`reference`" in line
     assert "target.dtype 'float99'" in fails(capsys, ["prepare", "target.dtype=float99"])
