@@ -10,7 +10,7 @@ TEST_STAMP := $(VENV)/.draftsmith-test-extras
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-fast install clean-runs
+.PHONY: demo test test-fast lint install clean-runs
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(VENV)/bin/draftsmith demo
 
-test: $(TEST_STAMP)
+# lint and formatting first (ruff, configured in pyproject.toml): CI fails on either
+lint: $(TEST_STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: lint
 	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q $(PYTEST_ARGS)
 
 test-fast: $(TEST_STAMP)

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 
 from draftsmith.arguments import ArgumentParser, run_guarded
+from draftsmith.core.aux_layers import default_aux_layer_ids
 from draftsmith.data_pipeline.dataset import load_conversations, pad_batch
 from draftsmith.data_pipeline.shards import _render_shard, write_shards
-from draftsmith.heads.eagle3 import default_aux_layer_ids
 from draftsmith.models import load_causal_lm
 
 
@@ -167,4 +167,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python -m draftsmith.bench.capture", main))   # one line per error
+    raise SystemExit(run_guarded("python bench/capture.py", main))   # one line per error

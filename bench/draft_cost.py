@@ -16,8 +16,9 @@ import time
 import torch
 
 from draftsmith.arguments import ArgumentParser, run_guarded
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, HeadKV
-from draftsmith.inference.target import TargetModel
+from draftsmith.core.target import TargetModel
+from draftsmith.drafters.eagle3.check import load_eagle3
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head, HeadKV
 from draftsmith.models import load_causal_lm
 
 
@@ -44,8 +45,6 @@ def main(argv=None) -> None:
     torch.set_num_threads(a.threads)
     model, tok = load_causal_lm(a.target)
     if a.head:
-        from draftsmith.export.check import load_eagle3
-
         head, _ = load_eagle3(a.head, model, tok)
     else:
         head = Eagle3Head(Eagle3Config.from_target(model.config)).eval()
@@ -88,4 +87,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python -m draftsmith.bench.draft_cost", main))   # one line per error
+    raise SystemExit(run_guarded("python bench/draft_cost.py", main))   # one line per error

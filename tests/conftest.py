@@ -58,7 +58,7 @@ def make_chatml_tokenizer(vocab_size: int = 300):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from draftsmith.reference.tokenizer import CHAT_TEMPLATE, SPECIAL_TOKENS
+    from draftsmith.reference import CHAT_TEMPLATE, SPECIAL_TOKENS
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -87,3 +87,24 @@ def chatml_tokenizer():
 def pytest_addoption(parser):
     parser.addoption("--run-vllm", action="store_true", default=False,
                      help="run the opt-in vLLM referee tests (needs .venv-vllm; see bench/vllm_referee.py)")
+
+
+def train_eagle3(target, data, vocab_map, section, cfg, out_dir, pad_id, **kw):
+    """Train an EAGLE-3 head the way ``pipeline.stages.train_drafter`` does (the argument order tests use)."""
+    from draftsmith.pipeline.stages import train_drafter
+
+    return train_drafter(section, target, data, cfg, out_dir, pad_id, vocab_map=vocab_map, **kw)
+
+
+def train_draft_model(target, data, section, cfg, out_dir, pad_id, **kw):
+    """Distil a draft model (``pipeline.stages.train_drafter``)."""
+    from draftsmith.pipeline.stages import train_drafter
+
+    return train_drafter(section, target, data, cfg, out_dir, pad_id, **kw)
+
+
+def train_mlp_speculator(target, data, section, cfg, out_dir, pad_id, **kw):
+    """Train an MLP speculator (``pipeline.stages.train_drafter``)."""
+    from draftsmith.pipeline.stages import train_drafter
+
+    return train_drafter(section, target, data, cfg, out_dir, pad_id, **kw)

@@ -19,8 +19,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from conftest import make_tiny_llama  # noqa: E402
 
 from draftsmith.data_pipeline.dataset import RenderedDataset  # noqa: E402
-from draftsmith.heads.vocab import build_vocab_map, count_tokens  # noqa: E402
-from draftsmith.train.eagle3 import HeadConfig, TrainConfig, train_eagle3  # noqa: E402
+from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens  # noqa: E402
+from draftsmith.drafters.eagle3.config import Section as HeadConfig
+from draftsmith.train.config import TrainConfig
+from conftest import train_eagle3
 
 VOCAB = 96
 
@@ -42,7 +44,8 @@ def run(out: Path, strategy: str = "auto", num_processes: int | None = None, ste
                       lr=3e-3, warmup_steps=2, log_every=1, ckpt_every=ckpt_every, strategy=strategy,
                       num_processes=num_processes, seed=0, target_sharding=target_sharding)
     if drafter == "draft_model":
-        from draftsmith.train.draft_model import DraftModelConfig, train_draft_model
+        from draftsmith.drafters.draft_model.config import Section as DraftModelConfig
+        from conftest import train_draft_model
 
         draft_cfg = DraftModelConfig(init_from=None, num_hidden_layers=2, hidden_size=16, intermediate_size=32,
                                      num_attention_heads=2, num_key_value_heads=1)
@@ -55,7 +58,7 @@ def keep_checkpoint_at(step: int, dest: Path) -> None:
     """After the checkpoint of ``step`` is committed, copy it to ``dest`` (later ones overwrite the original)."""
     import shutil
 
-    import draftsmith.train.eagle3 as trainer
+    import draftsmith.train.trainer as trainer
 
     commit = trainer.commit_checkpoint
 

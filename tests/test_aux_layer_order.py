@@ -9,26 +9,26 @@ import pytest
 import torch
 
 from draftsmith.config import load_config
-from draftsmith.export.check import check_head, load_eagle3
-from draftsmith.export.formats import engine_problems, engine_view, research_config, speculators_config
-from draftsmith.export.identity import target_identity
+from draftsmith.drafters.eagle3.check import check_head, load_eagle3
+from draftsmith.drafters.eagle3.formats import engine_problems, engine_view, research_config, speculators_config
+from draftsmith.identity import target_identity
 from draftsmith.export.metadata import HeadMismatchError
-from draftsmith.export.writer import export_eagle3
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+from draftsmith.drafters.eagle3.export import export_eagle3
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
 UNSORTED = [3, 2, 1]            # a 4-layer target: HF hidden_states indices 0..3
 
 
 def test_recipe_and_head_config_refuse_unsorted_ids():
-    from draftsmith.pipeline import Recipe
-    from draftsmith.train.eagle3 import HeadConfig
+    from draftsmith.pipeline.recipe import Recipe
+    from draftsmith.drafters.eagle3.config import Section as HeadConfig
 
     for make in (lambda: HeadConfig(aux_layer_ids=UNSORTED),
-                 lambda: load_config(Recipe, None, ["head.aux_layer_ids=[3, 2, 1]"])):
+                 lambda: load_config(Recipe, None, ["drafter.aux_layer_ids=[3, 2, 1]"])):
         with pytest.raises(ValueError) as err:
             make()
         msg = str(err.value)
-        assert "head.aux_layer_ids" in msg and "ascending" in msg and "[1, 2, 3]" in msg, msg
+        assert "aux_layer_ids" in msg and "ascending" in msg and "[1, 2, 3]" in msg, msg
     with pytest.raises(ValueError, match="ascending"):
         HeadConfig(aux_layer_ids=[1, 1, 3])          # a repeated layer: engines capture it once
     assert HeadConfig(aux_layer_ids=[1, 2, 3]).aux_layer_ids == [1, 2, 3]
@@ -36,7 +36,7 @@ def test_recipe_and_head_config_refuse_unsorted_ids():
 
 def test_head_capture_and_runtime_target_refuse_unsorted_ids(tiny_llama):
     from draftsmith.data_pipeline.capture import capture
-    from draftsmith.inference.target import TargetModel
+    from draftsmith.core.target import TargetModel
 
     target = tiny_llama()
     with pytest.raises(ValueError, match="ascending"):

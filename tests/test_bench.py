@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from draftsmith.bench.serve import (BatchResult, BenchConfig, RequestRecord, add_verdicts, distribution,
+from draftsmith.evaluation.bench_config import BenchConfig
+from draftsmith.evaluation.bench import (BatchResult, RequestRecord, add_verdicts, distribution,
                                     format_table, parse_metrics, run_bench, summarize, verdict, write_report)
 
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 import transformers as tf
 
-from draftsmith.inference.cache import KVCache
-from draftsmith.inference.target import TargetModel
+from draftsmith.core.cache import KVCache
+from draftsmith.core.target import TargetModel
 
 
 def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from draftsmith.export.check import check_head
-from draftsmith.export.identity import target_dtype, target_identity
+from draftsmith.drafters.eagle3.check import check_head
+from draftsmith.identity import target_dtype, target_identity
 
 
 def test_identity_records_the_dtype_the_target_runs_in(tiny_llama):
@@ -24,17 +24,17 @@ def export_each(kind, target, tok, out, tiny_llama):
     """An untrained drafter of ``kind`` for ``target``, exported with the target's identity."""
     ident = target_identity(target, tok, "tiny")
     if kind == "eagle3":
-        from draftsmith.export.writer import export_eagle3
-        from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+        from draftsmith.drafters.eagle3.export import export_eagle3
+        from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
         return export_eagle3(Eagle3Head(Eagle3Config.from_target(target.config)), out, ident, target.config)
     if kind == "mlp_speculator":
-        from draftsmith.export.mlp_speculator import export_mlp_speculator
-        from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+        from draftsmith.drafters.mlp_speculator.export import export_mlp_speculator
+        from draftsmith.drafters.mlp_speculator.head import MLPSpeculator, MLPSpeculatorConfig
 
         return export_mlp_speculator(MLPSpeculator(MLPSpeculatorConfig.from_target(target.config, n_predict=2)),
                                      out, ident)
-    from draftsmith.export.draft_model import export_draft_model
+    from draftsmith.drafters.draft_model.export import export_draft_model
 
     return export_draft_model(tiny_llama(seed=8, num_hidden_layers=1), tok, out, ident)
 

@@ -12,7 +12,7 @@ import torch
 
 from draftsmith.data_pipeline.capture import capture
 from draftsmith.data_pipeline.shards import ShardError, ShardReader, write_shards
-from draftsmith.inference.target import TargetModel
+from draftsmith.core.target import TargetModel
 
 AUX = (0, 2, 3)          # a 4-layer target: the embedding output, and the inputs of layers 2 and 3
 CONVERSATIONS = [

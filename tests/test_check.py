@@ -6,11 +6,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.export.check import HeadMismatchError, check_head, load_eagle3
-from draftsmith.export.identity import file_sha256, target_identity, tensor_sha256
-from draftsmith.export.writer import export_eagle3
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-from draftsmith.heads.vocab import build_vocab_map
+from draftsmith.export.check import HeadMismatchError
+from draftsmith.drafters.eagle3.check import check_head, load_eagle3
+from draftsmith.identity import file_sha256, target_identity, tensor_sha256
+from draftsmith.drafters.eagle3.export import export_eagle3
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+from draftsmith.data_pipeline.vocab import build_vocab_map
 
 V = 96
 
@@ -313,14 +314,15 @@ def test_cli_check_refuses_and_names_field(exported, monkeypatch, capsys):
 
 def test_override_is_logged_and_written_into_the_eval_record(exported, tmp_path, caplog, word_tokenizer):
     """`draftsmith eval --allow-mismatch tokenizer_sha256`: the report's head_check names the field and both hashes."""
-    from draftsmith.pipeline import Recipe, run_eval
+    from draftsmith.pipeline.stages import run_eval
+    from draftsmith.pipeline.recipe import Recipe
 
     target, _, head_dir = exported
     other = word_tokenizer(rename={40: "zz"})
     recipe = Recipe(name="ovr", out_dir=tmp_path)
     recipe.target.name_or_path = "tiny/llama"
-    recipe.eval.methods, recipe.eval.tasks = ["eagle3"], ["code-complete"]
-    recipe.eval.prompts_per_task, recipe.eval.max_new_tokens, recipe.eval.k = 1, 4, 2
+    recipe.eval.tasks, recipe.drafter.num_speculative_tokens = ["code-complete"], 2
+    recipe.eval.prompts_per_task, recipe.eval.max_new_tokens = 1, 4
     with pytest.raises(HeadMismatchError, match="tokenizer_sha256"):
         run_eval(recipe, head_dir, target, other)
     with caplog.at_level(logging.WARNING, logger="draftsmith.export.check"):

@@ -140,7 +140,7 @@ def test_recipe_boolean_trap_through_the_cli(tmp_path, capsys):
 
 
 def test_recipe_target_and_dtype_checked_before_loading(capsys, monkeypatch):
-    import draftsmith.pipeline as pipeline
+    import draftsmith.pipeline.stages as pipeline
 
     monkeypatch.setattr(pipeline, "load_target", lambda *a, **k: pytest.fail("loaded a model"))
     line = fails(capsys, ["train", "target.name_or_path=/nonexistent"])
@@ -327,12 +327,10 @@ def test_shared_names_agree():
     """The torch-free copies of names the CLI checks against equal their sources."""
     from draftsmith import arguments, sources
     from draftsmith.export.metadata import METADATA_FILE
-    from draftsmith.inference import engine
     from draftsmith.models import DTYPES
 
     assert set(arguments.DTYPE_NAMES) == {*DTYPES, "auto"}
-    assert tuple(arguments.SPECULATIVE_METHODS) == tuple(engine.SPECULATIVE_METHODS)
-    assert sources.METADATA_FILE == METADATA_FILE == engine.HEAD_METADATA_FILE
+    assert sources.METADATA_FILE == METADATA_FILE
 
 
 # --- subprocesses: no torch for configuration errors; the real entry point ----------------------------------

@@ -13,8 +13,10 @@ import torch
 import draftsmith.train.trainer as trainer_module
 from draftsmith.data_pipeline.dataset import RenderedDataset
 from draftsmith.export.metadata import HeadMismatchError
-from draftsmith.train.draft_model import DraftModelConfig, build_draft_model, distill_loss, train_draft_model
-from draftsmith.train.trainer import TrainConfig
+from draftsmith.drafters.draft_model.train import build_draft_model, distill_loss
+from draftsmith.drafters.draft_model.config import Section as DraftModelConfig
+from conftest import train_draft_model
+from draftsmith.train.config import TrainConfig
 
 SMALL = dict(init_from=None, num_hidden_layers=1, hidden_size=16, intermediate_size=32, num_attention_heads=2,
              num_key_value_heads=1)
@@ -93,7 +95,7 @@ def test_vocab_and_tokenizer_mismatches_are_refused(tiny_llama, word_tokenizer, 
     same = _save_lm(tiny_llama(seed=1, num_hidden_layers=1), word_tokenizer(96), tmp_path / "same")
     draft = build_draft_model(target, DraftModelConfig(init_from=same), tokenizer=word_tokenizer(96))
     assert draft.training and all(p.requires_grad for p in draft.parameters())
-    with pytest.raises(ValueError, match="draft_model.hidden_size"):
+    with pytest.raises(ValueError, match="drafter.hidden_size"):
         DraftModelConfig(init_from=same, hidden_size=32)
 
 
@@ -145,8 +147,9 @@ def test_training_lowers_the_kl_and_resume_gives_the_same_next_losses(tiny_llama
 
 
 def test_an_eagle3_checkpoint_is_not_resumed_as_a_draft_model(tiny_llama, tmp_path):
-    from draftsmith.heads.vocab import build_vocab_map, count_tokens
-    from draftsmith.train.eagle3 import HeadConfig, train_eagle3
+    from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens
+    from draftsmith.drafters.eagle3.config import Section as HeadConfig
+    from conftest import train_eagle3
 
     target, data = tiny_llama(seed=7), make_data()
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 64, always_include=[1])
@@ -207,9 +210,10 @@ def test_pipeline_trains_exports_and_reexports_a_draft_model(tiny_llama, chatml,
     """`draftsmith train` with method draft_model (offline capture, in-loop τ), then `draftsmith export
     RUN_DIR` of the checkpoint and of the exported directory: same weights, the metadata says draft_model."""
     from draftsmith.config import load_config
-    from draftsmith.export.draft_model import check_draft_model
+    from draftsmith.drafters.draft_model.export import check_draft_model
     from draftsmith.export.metadata import read_metadata
-    from draftsmith.pipeline import Recipe, export_run, run_train
+    from draftsmith.pipeline.stages import export_run, run_train
+    from draftsmith.pipeline.recipe import Recipe
 
     source = tmp_path / "conversations.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in conversations(14)))
@@ -217,13 +221,13 @@ def test_pipeline_trains_exports_and_reexports_a_draft_model(tiny_llama, chatml,
     target.save_pretrained(tmp_path / "target")                 # the recipe names its target (export_run reloads it)
     chatml.save_pretrained(tmp_path / "target")
     recipe = load_config(Recipe, None, [
-        f"out_dir={tmp_path / 'runs'}", "name=distil", "method=draft_model", f"data.source={source}",
+        f"out_dir={tmp_path / 'runs'}", "name=distil", "drafter.method=draft_model", f"data.source={source}",
         f"target.name_or_path={tmp_path / 'target'}",
         "data.num_conversations=11", "data.heldout_conversations=3", "data.regenerate=false", "data.max_length=48",
-        "draft_model.init_from=null", "draft_model.num_hidden_layers=1", "train.mode=offline", "train.max_steps=3",
+        "drafter.init_from=null", "drafter.num_hidden_layers=1", "drafter.num_speculative_tokens=2", "train.mode=offline", "train.max_steps=3",
         "train.batch_size=4", "train.warmup_steps=1", "train.log_every=1", "train.acceptance.every=3",
         "train.acceptance.prompts=2", "train.acceptance.k=2", "train.acceptance.max_new_tokens=6",
-        "head.aux_layer_ids=[1, 2, 3]", "capture.shard_size=5", "capture.batch_size=2"])
+        "capture.aux_layer_ids=[1, 2, 3]", "capture.shard_size=5", "capture.batch_size=2"])
     out = run_train(recipe)
     meta = read_metadata(out)
     assert meta.head_type == "draft_model" and meta.aux_layer_ids is None and meta.draft_vocab_size == len(chatml)
@@ -243,8 +247,8 @@ def test_pipeline_trains_exports_and_reexports_a_draft_model(tiny_llama, chatml,
 @pytest.fixture
 def exported(tiny_llama, word_tokenizer, tmp_path):
     """A draft distilled 2 steps from a 4-layer tiny target, exported; (dir, target, tokenizer, draft)."""
-    from draftsmith.export.draft_model import export_draft_model
-    from draftsmith.export.identity import target_identity
+    from draftsmith.drafters.draft_model.export import export_draft_model
+    from draftsmith.identity import target_identity
 
     target, tok = tiny_llama(seed=7), word_tokenizer(96)
     result = run(target, make_data(), tmp_path / "train", max_steps=2)
@@ -256,7 +260,7 @@ def exported(tiny_llama, word_tokenizer, tmp_path):
 def test_export_reloads_bit_identical(exported):
     from transformers import AutoModelForCausalLM
 
-    from draftsmith.export.identity import file_sha256
+    from draftsmith.identity import file_sha256
 
     out, target, tok, draft = exported
     files = sorted(p.name for p in out.iterdir())
@@ -276,11 +280,12 @@ def test_runtime_checks_the_recorded_target(exported, tiny_llama, tmp_path):
     """An exported draft names its target: another one is refused naming the field (overridable by name);
     a corrupted weight file is refused; the method is inferred from draftsmith.json; a plain HF draft
     directory (no draftsmith.json) is still served, checked by its tokenizer only."""
-    from draftsmith.export.check import check_head
-    from draftsmith.inference.engine import Engine, SpeculativeConfig
+    from draftsmith.drafters.eagle3.check import check_head
+    from draftsmith.serve.engine import Engine
+    from draftsmith.drafters.speculative import SpeculativeConfig
 
     out, target, tok, draft = exported
-    assert SpeculativeConfig(model=str(out), num_speculative_tokens=3).method == "draft_model"
+    assert SpeculativeConfig.from_dict({"model": str(out), "num_speculative_tokens": 3}).method == "draft_model"
     Engine(target, tok, {"model": str(out), "num_speculative_tokens": 3})
     assert "draft_model" in check_head(out, target, tok).summary()
     other = tiny_llama(seed=7, num_hidden_layers=3)
@@ -307,8 +312,8 @@ def test_runtime_checks_the_recorded_target(exported, tiny_llama, tmp_path):
 def reference_distilled(tmp_path_factory):
     """The reference target and `reference-draft` distilled 3 steps on its training split, exported."""
     from draftsmith.data_pipeline.dataset import load_conversations, render_dataset
-    from draftsmith.export.draft_model import export_draft_model
-    from draftsmith.export.identity import target_identity
+    from draftsmith.drafters.draft_model.export import export_draft_model
+    from draftsmith.identity import target_identity
     from draftsmith.models import load_causal_lm
 
     target, tok = load_causal_lm("reference")
@@ -326,8 +331,8 @@ def test_distilled_draft_is_lossless_greedy_on_held_out_prompts(reference_distil
     token, k in {1, 3, 5}, on 20 held-out prompts (5 per task) of the reference target."""
     from draftsmith import reference
     from draftsmith.data_pipeline.chat import prompt_ids
-    from draftsmith.inference.engine import Engine
-    from draftsmith.inference.generate import GenerationConfig, generate_plain, generate_speculative
+    from draftsmith.serve.engine import Engine
+    from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
 
     target, tok, draft_dir = reference_distilled
     prompts = [r["messages"] for recs in reference.tasks(limit=5).values() for r in recs]

@@ -11,7 +11,8 @@ from draftsmith.data_pipeline import regenerate as regen
 from draftsmith.data_pipeline.chat import render
 from draftsmith.data_pipeline.dataset import load_conversations, render_dataset
 from draftsmith.data_pipeline.drops import DroppedConversationsError
-from draftsmith.data_pipeline.prepare import DataConfig, prepare
+from draftsmith.data_pipeline.prepare import prepare
+from draftsmith.data_pipeline.config import DataConfig
 from draftsmith.data_pipeline.regenerate import Answer, regenerate, regenerate_with_drops
 from draftsmith.data_pipeline.shards import write_shards
 

@@ -2,9 +2,11 @@
 import pytest
 import torch
 
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, HeadKV, default_aux_layer_ids
-from draftsmith.heads.vocab import build_vocab_map, count_tokens, validate_vocab_map
-from draftsmith.train.ttt import shift_left, ttt_loss
+from draftsmith.core.aux_layers import default_aux_layer_ids
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head, HeadKV
+from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens, validate_vocab_map
+from draftsmith.drafters.eagle3.ttt import ttt_loss
+from draftsmith.train.losses import shift_left
 
 
 def make_head(target, draft_vocab_size=None, seed=0):

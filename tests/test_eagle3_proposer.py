@@ -2,11 +2,11 @@
 import pytest
 import torch
 
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-from draftsmith.heads.vocab import build_vocab_map
-from draftsmith.inference.generate import GenerationConfig, generate_plain, generate_speculative
-from draftsmith.inference.proposers.eagle3 import Eagle3Proposer
-from draftsmith.inference.target import TargetModel
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+from draftsmith.data_pipeline.vocab import build_vocab_map
+from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
+from draftsmith.drafters.eagle3.proposer import Eagle3Proposer
+from draftsmith.core.target import TargetModel
 
 
 def make_head(target, draft_vocab_size=None, seed=0):
@@ -25,7 +25,7 @@ def make_head(target, draft_vocab_size=None, seed=0):
 def fit_head(target, head, steps=80):
     """Train the head briefly on the target's own greedy continuations, so that drafts get accepted."""
     from draftsmith.data_pipeline.capture import capture
-    from draftsmith.train.ttt import ttt_loss
+    from draftsmith.drafters.eagle3.ttt import ttt_loss
 
     wrapped = TargetModel(target)
     seqs = []
@@ -70,7 +70,7 @@ def test_eagle3_greedy_equals_plain(trained, k, draft_vocab_size):
 def test_eagle3_draft_matches_head_on_context(tiny_llama):
     """The proposer's first draft equals the head's step-0 prediction computed by the trainer's path."""
     from draftsmith.data_pipeline.capture import capture
-    from draftsmith.heads.eagle3 import HeadKV
+    from draftsmith.drafters.eagle3.head import HeadKV
 
     target = tiny_llama(seed=4)
     head = make_head(target, 48)
@@ -101,3 +101,16 @@ def test_eagle3_sampling_q_lives_on_draft_vocab(tiny_llama):
     torch.testing.assert_close(prop.q.sum(-1), torch.ones(3))
     assert torch.all(prop.q[:, ~head.t2d] == 0)
     assert all(head.t2d[t] for t in prop.tokens.tolist())
+
+
+def test_unseeded_proposers_do_not_share_torch_default_seed(trained):
+    """seed=None draws from a nondeterministic generator: unseeded proposers sample different drafts, so runs with
+    the same target seed differ (with torch's fixed default seed every run drew the same drafts)."""
+    target, heads = trained
+    tm = TargetModel(target, aux_layer_ids=(1, 2, 3))
+    cfg = GenerationConfig(max_new_tokens=40, temperature=1.5, seed=0)
+    runs = set()
+    for _ in range(3):
+        out = generate_speculative(tm, Eagle3Proposer(heads[None], temperature=1.5), [5, 6, 7, 8], cfg, 4)
+        runs.add((tuple(out.tokens), tuple(out.stats.accepted_per_pos)))
+    assert len(runs) > 1

@@ -1,23 +1,40 @@
-"""``draftsmith eval``: every drafter side by side (labelled extra drafters, draft cost per token)."""
+"""``draftsmith eval``: the recipe's drafter and labelled rows side by side, each at its own k, decoded for real."""
 import pytest
 
 from draftsmith import reference
 from draftsmith.arguments import drafter as drafter_arg
-from draftsmith.inference.eval import EvalConfig, evaluate, format_table, plot_acceptance
-from draftsmith.pipeline import build_proposers, drafter_specs
+from draftsmith.config import load_config
+from draftsmith.core.generate import GenerationConfig, generate_plain
+from draftsmith.core.target import TargetModel
+from draftsmith.evaluation.heldout import format_table, plot_acceptance
+from draftsmith.pipeline.recipe import Recipe
+from draftsmith.pipeline.stages import eval_rows, run_eval
 
 
-def test_drafter_specs_rows_and_labels():
-    cfg = EvalConfig(k=3, drafters={"sibling": {"method": "draft_model", "model": "reference-draft"},
-                                    "long": {"method": "ngram", "prompt_lookup_max": 8, "num_speculative_tokens": 4}})
-    specs = drafter_specs(["ngram", "draft_model"], cfg, None)
-    assert list(specs) == ["ngram", "draft_model", "sibling", "long"]
-    assert specs["sibling"] == {"num_speculative_tokens": 3, "method": "draft_model", "model": "reference-draft"}
-    assert specs["long"]["num_speculative_tokens"] == 4            # a drafter's own k wins over eval.k
+def recipe_with(tmp_path, *overrides):
+    return load_config(Recipe, None, [f"out_dir={tmp_path}", "name=ev", "eval.tasks=[code-complete]",
+                                      "eval.prompts_per_task=2", "eval.max_new_tokens=12", "eval.threads=1",
+                                      *overrides])
+
+
+def test_rows_take_the_recipe_drafters_k_unless_their_own(tmp_path):
+    recipe = recipe_with(tmp_path, "drafter.num_speculative_tokens=3",
+                         'eval.drafters={sibling: {method: draft_model, model: reference-draft}, '
+                         'long: {method: ngram, prompt_lookup_max: 8, num_speculative_tokens: 4}}')
+    rows = eval_rows(recipe, None)                     # no head: the recipe's own EAGLE-3 row needs one
+    assert list(rows) == ["sibling", "long"]
+    assert rows["sibling"].to_dict() == {"method": "draft_model", "model": "reference-draft",
+                                         "num_speculative_tokens": 3}
+    assert rows["long"].num_speculative_tokens == 4 and rows["long"].options["prompt_lookup_max"] == 8
+    assert {r.num_speculative_tokens for r in eval_rows(recipe, None, k=2).values()} == {2}   # --k: every row
+    picked = eval_rows(recipe, None, ["long", "ngram", "draft_model"])                        # --methods
+    assert list(picked) == ["long", "ngram", "draft_model"] and picked["draft_model"].model == "reference-draft"
     with pytest.raises(ValueError, match="already a row"):
-        drafter_specs(["ngram"], EvalConfig(drafters={"ngram": {"method": "ngram"}}), None)
-    with pytest.raises(ValueError, match="head directory"):
-        drafter_specs(["eagle3"], EvalConfig(), None)
+        eval_rows(recipe_with(tmp_path, "drafter.method=ngram", "eval.drafters={ngram: {method: ngram}}"), None)
+    with pytest.raises(ValueError, match="needs a model"):
+        eval_rows(recipe, None, ["eagle3"])
+    with pytest.raises(ValueError, match="neither a row"):
+        eval_rows(recipe, None, ["nope"])
 
 
 def test_drafter_cli_argument():
@@ -29,20 +46,46 @@ def test_drafter_cli_argument():
             drafter_arg(bad)
 
 
-def test_eval_reports_labelled_drafters_with_draft_cost(tmp_path):
+def test_eval_decodes_each_row_at_its_own_k_with_draft_cost(tmp_path):
+    """Rows are decoded, not only configured: a row at k=4 and one at k=2 each draft at most their k per step, and
+    every greedy output equals plain decoding."""
     target, tok = reference.target()
-    cfg = EvalConfig(tasks=["code-complete"], methods=["ngram"], k=3, prompts_per_task=2, max_new_tokens=12,
-                     threads=1, drafters={"sibling": {"method": "draft_model", "model": "reference-draft"}})
-    factories, aux = build_proposers(cfg.methods, cfg, target, tok, None)
-    report = evaluate(target, tok, reference.tasks(cfg.tasks), factories, cfg, aux_layer_ids=aux)
+    recipe = recipe_with(tmp_path, "drafter.num_speculative_tokens=4",
+                         'eval.drafters={sibling: {method: draft_model, model: reference-draft}, '
+                         'short: {method: ngram, prompt_lookup_min: 1, num_speculative_tokens: 2}}')
+    report = run_eval(recipe, None, target, tok)
     rows = report["tasks"]["code-complete"]
-    assert report["config"]["methods"] == ["ngram", "sibling"]
+    assert report["config"]["methods"] == ["sibling", "short"] and report["config"]["ks"] == {"sibling": 4, "short": 2}
+    for label, k in (("sibling", 4), ("short", 2)):
+        row = rows[label]
+        assert row["greedy_mismatches"] == 0 and len(row["accepted_per_pos"]) == k
+        assert 0 < row["num_draft_tokens"] <= k * row["num_drafts"]
+    assert rows["sibling"]["num_draft_tokens"] > 2 * rows["sibling"]["num_drafts"]   # k=4 drafts, not 2
     sibling = rows["sibling"]
-    assert sibling["greedy_mismatches"] == 0 and rows["ngram"]["greedy_mismatches"] == 0
-    assert sibling["num_draft_tokens"] > 0 and sibling["draft_ms_per_token"] > 0
-    assert 0 < sibling["draft_seconds"] < sibling["seconds"]       # drafting is part of the method's time
+    assert sibling["draft_ms_per_token"] > 0 and 0 < sibling["draft_seconds"] < sibling["seconds"]
     assert rows["plain"]["ms_per_token"] > 0
     table = format_table(report)
     assert "draft ms/tok" in table.splitlines()[0] and "sibling" in table
     plot_acceptance(report, tmp_path / "acceptance.png")
     assert (tmp_path / "acceptance.png").stat().st_size > 0
+
+
+def test_eval_stops_where_serving_stops(tmp_path):
+    """An end-of-turn id the generation config adds (not the tokenizer's EOS) ends eval's decoding as it ends a
+    served request (``core.stops.stop_token_ids``): the rows stop at it too."""
+    target, tok = reference.target()
+    prompt = reference.tasks(["code-complete"], limit=1)["code-complete"][0]["messages"]
+    from draftsmith.data_pipeline.chat import prompt_ids
+
+    ids = prompt_ids(tok, prompt)
+    free = generate_plain(TargetModel(target), ids, GenerationConfig(max_new_tokens=12)).tokens
+    stop = free[3]                                          # a token the target emits: make it an end-of-turn id
+    target.generation_config.eos_token_id = [tok.eos_token_id, stop]
+    try:
+        report = run_eval(recipe_with(tmp_path, "drafter.method=ngram", "drafter.prompt_lookup_min=1",
+                                      "eval.prompts_per_task=1"), None, target, tok)
+    finally:
+        target.generation_config.eos_token_id = tok.eos_token_id
+    rows = report["tasks"]["code-complete"]
+    first = free.index(stop) + 1                            # tokens up to and including the end-of-turn id
+    assert rows["plain"]["new_tokens"] == rows["ngram"]["new_tokens"] == first < 12

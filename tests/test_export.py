@@ -5,12 +5,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from draftsmith.export.check import load_eagle3
-from draftsmith.export.identity import file_sha256, target_identity
+from draftsmith.drafters.eagle3.check import load_eagle3
+from draftsmith.identity import file_sha256, target_identity
 from draftsmith.export.metadata import FORMAT_VERSION, read_metadata, update_metadata
-from draftsmith.export.writer import export_eagle3
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head, HeadKV
-from draftsmith.heads.vocab import build_vocab_map
+from draftsmith.drafters.eagle3.export import export_eagle3
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head, HeadKV
+from draftsmith.data_pipeline.vocab import build_vocab_map
 
 V = 96
 
@@ -149,7 +149,7 @@ def test_metadata(setup):
     assert meta.aux_layer_convention == "hf_hidden_states_index"
     assert meta.draft_vocab_size == 48
     d2t = head.export_state_dict()["d2t"]
-    from draftsmith.heads.vocab import VocabMap
+    from draftsmith.data_pipeline.vocab import VocabMap
 
     assert meta.d2t_sha256 == VocabMap(d2t, head.t2d, torch.zeros(V)).sha256()  # one hash definition
     assert meta.target == ident and meta.target["revision"] == "r1"
@@ -193,11 +193,11 @@ def test_export_replaces_a_head_and_is_atomic(setup, tmp_path, monkeypatch):
         export_eagle3(head2, foreign, ident, target.config)
     assert (foreign / "todo.txt").read_text() == "mine"
 
-    import draftsmith.export.writer as writer
+    import draftsmith.drafters.eagle3.export as eagle3_export
 
     def boom(*a, **k):
         raise RuntimeError("disk full")
-    monkeypatch.setattr(writer, "write_metadata", boom)
+    monkeypatch.setattr(eagle3_export, "write_metadata", boom)
     with pytest.raises(RuntimeError, match="disk full"):
         export_eagle3(head2, tmp_path / "fresh", ident, target.config)
     assert not (tmp_path / "fresh").exists()
@@ -276,7 +276,7 @@ def all_formats(tiny_llama, tmp_path, word_tokenizer):
 
 
 def test_expand_formats():
-    from draftsmith.export.formats import expand_formats
+    from draftsmith.drafters.eagle3.formats import expand_formats
 
     assert expand_formats(["all"]) == ("draftsmith", "vllm", "sglang", "speculators")
     assert expand_formats(["speculators"]) == ("draftsmith", "speculators")     # draftsmith always
@@ -288,7 +288,7 @@ def test_expand_formats():
 def test_every_format_reloads_to_bit_identical_logits(all_formats):
     """Each format read back the way its reader reads it -- draftsmith's loader (root and speculators/),
     and vLLM's / SGLang's reading rules on the research config -- gives the trained head's logits, bit for bit."""
-    from draftsmith.export.formats import read_engine_dir
+    from draftsmith.drafters.eagle3.formats import read_engine_dir
 
     target, tok, head, out = all_formats
     want = _logits(head, target)
@@ -359,7 +359,7 @@ def test_speculators_config_golden(all_formats):
 
 def test_engine_reading_rules_catch_one_engine_configs(all_formats):
     """A config written for one engine alone is misread by the other, and engine_problems says so."""
-    from draftsmith.export.formats import engine_problems
+    from draftsmith.drafters.eagle3.formats import engine_problems
 
     _, _, head, out = all_formats
     hc = head.config.to_dict()
@@ -386,7 +386,7 @@ def test_sglang_drops_speculators_weight_names(all_formats, tmp_path):
     """SGLang loads midlayer.* only: a research config over layers.0.* weights is refused, not half-loaded."""
     import shutil
 
-    from draftsmith.export.formats import read_engine_dir
+    from draftsmith.drafters.eagle3.formats import read_engine_dir
     from draftsmith.export.metadata import HeadMismatchError
 
     _, _, _, out = all_formats
@@ -402,7 +402,7 @@ def test_sglang_drops_speculators_weight_names(all_formats, tmp_path):
 
 def test_reexport_head_keeps_bytes_metadata_and_verdicts(setup, tmp_path):
     from draftsmith.export.metadata import update_metadata as update
-    from draftsmith.export.writer import reexport_head
+    from draftsmith.drafters.eagle3.export import reexport_head
 
     target, tok, head, _, out = setup
     update(out, eval={"k": 3, "tasks": {"code": {"eagle3": {"tau": 2.5, "acceptance_rate": 0.5,
@@ -433,15 +433,18 @@ def test_cli_export_head_dir_all_formats(setup, tmp_path, capsys):
     _, _, _, _, out = setup
     assert main(["export", str(out), "--out", str(tmp_path / "cli"), "--format", "sglang", "speculators"]) == 0
     assert (tmp_path / "cli" / "speculators" / "config.json").is_file()
-    with pytest.raises(SystemExit):
-        main(["export", str(out), "--out", str(tmp_path / "bad"), "--format", "tensorrt"])
+    capsys.readouterr()
+    assert main(["export", str(out), "--out", str(tmp_path / "bad"), "--format", "tensorrt"]) == 1
+    err = capsys.readouterr().err
+    assert "tensorrt" in err and "sglang" in err and not (tmp_path / "bad").exists()
 
 
 def test_card_verified_section_follows_referee_verdicts(setup):
-    from draftsmith.export.card import refresh_verified_section, write_model_card
+    from draftsmith.drafters.directory import write_card
+    from draftsmith.export.card import refresh_verified_section
 
     _, _, _, _, out = setup
-    write_model_card(out)
+    write_card(out)
     assert "## Verified with" not in (out / "README.md").read_text()
     update_metadata(out, referee={"vllm/speculators/k5": {"engine": "vllm", "version": "0.32.0",
                                                           "format": "speculators", "k": 5, "prompts": 20,

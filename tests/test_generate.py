@@ -7,9 +7,11 @@ import copy
 import pytest
 import torch
 
-from draftsmith.inference.generate import GenerationConfig, SpecStats, generate_plain, generate_speculative
-from draftsmith.inference.proposers import DraftModelProposer, NgramProposer, Proposal, Proposer
-from draftsmith.inference.target import TargetModel
+from draftsmith.core.generate import GenerationConfig, SpecStats, generate_plain, generate_speculative
+from draftsmith.drafters.draft_model.proposer import DraftModelProposer
+from draftsmith.drafters.ngram.proposer import NgramProposer
+from draftsmith.core.proposer import Proposal, Proposer
+from draftsmith.core.target import TargetModel
 
 PROMPTS = [
     [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],          # repetitive: n-gram lookup has something to find
@@ -141,8 +143,8 @@ SCRIPTS = {
 
 def _make_head(target: TargetModel, draft_vocab_size: int = 48):
     """A random (untrained) EAGLE-3 head on ``target`` with a d2t map; its drafts are mostly rejected."""
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-    from draftsmith.heads.vocab import build_vocab_map
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+    from draftsmith.data_pipeline.vocab import build_vocab_map
 
     model = target.model
     cfg = Eagle3Config.from_target(model.config, draft_vocab_size=draft_vocab_size, aux_layer_ids=target.aux_layer_ids)
@@ -164,7 +166,7 @@ def _proposer(name: str, target: TargetModel, make_tiny_llama, expected: list[in
     if name == "draft_close":
         return DraftModelProposer(_noisy_copy(target.model), target.vocab_size)
     if name == "eagle3":
-        from draftsmith.inference.proposers.eagle3 import Eagle3Proposer
+        from draftsmith.drafters.eagle3.proposer import Eagle3Proposer
 
         return Eagle3Proposer(head)
     if name in SCRIPTS:
@@ -255,7 +257,7 @@ def test_max_new_tokens_never_overshoots(target, plain, max_new_tokens):
 
 def test_stop_inside_a_chunk_emits_up_to_the_stop():
     """The issue's case: chunk [a, b, STOP, c, d, e] with max_tokens 5 emits [a, b, STOP], finish 'stop'."""
-    from draftsmith.inference.generate import _Output
+    from draftsmith.core.generate import _Output
 
     a, b, stop, c, d, e = 10, 11, 1, 12, 13, 14
     seen = []

@@ -19,10 +19,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from draftsmith.bench import gpu_demo
-
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "bench"
+
+
+def _load_script(name: str):
+    """A script under bench/ as a module (bench/ holds scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", SCRIPTS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+gpu_demo = _load_script("gpu_demo")
 
 
 def test_scripts_compile(tmp_path):
@@ -41,8 +53,8 @@ def test_arguments_become_recipe_overrides():
     assert applied == overrides
     assert (recipe.train.max_steps, recipe.train.mixed_precision, recipe.train.mode, recipe.train.lr) == \
         (300, "bf16", "online", 1e-3)
-    assert (recipe.data.num_conversations, recipe.data.batch_size, recipe.target.dtype, recipe.eval.k) == \
-        (600, 256, "bfloat16", 4)
+    assert (recipe.data.num_conversations, recipe.data.batch_size, recipe.target.dtype,
+            recipe.drafter.num_speculative_tokens) == (600, 256, "bfloat16", 4)
 
 
 def test_defaults_keep_the_demo_recipe_data_and_eval():
@@ -51,9 +63,9 @@ def test_defaults_keep_the_demo_recipe_data_and_eval():
     assert recipe.train.max_steps == 400 and recipe.train.mixed_precision == "bf16"
     assert recipe.target.dtype == "float32"                              # capture and serving share it
     assert (recipe.data.num_conversations, recipe.data.max_new_tokens) == (2400, 128)
-    assert (recipe.eval.methods, recipe.eval.k, recipe.eval.prompts_per_task, recipe.eval.max_new_tokens) == \
-        (["eagle3", "ngram", "draft_model"], 5, 8, 64)
-    assert not any(o.startswith(("data.num_conversations", "eval.")) for o in overrides)
+    assert (recipe.drafter.method, list(recipe.eval.drafters), recipe.drafter.num_speculative_tokens,
+            recipe.eval.prompts_per_task, recipe.eval.max_new_tokens) == ("eagle3", ["ngram", "draft_model"], 5, 8, 64)
+    assert not any(o.startswith(("data.num_conversations", "eval.", "drafter.")) for o in overrides)
 
 
 def test_dry_run_prints_the_plan_and_bad_overrides_are_refused(capsys):
@@ -114,24 +126,26 @@ def test_run_records_a_cut_stage_and_a_failed_one(tmp_path):
 def test_an_eval_cut_keeps_the_finished_tasks(tmp_path, monkeypatch):
     """``run_eval_by_task`` under the eval deadline: the task it reaches the deadline in is lost, the ones
     before it stay in the result (stub evaluate: the first task returns at once, the second never ends)."""
-    import draftsmith.inference.eval as eval_mod
-    import draftsmith.pipeline as pipeline
+    import draftsmith.evaluation.heldout as eval_mod
+    import draftsmith.pipeline.stages as pipeline
     from draftsmith import reference
-    from draftsmith.inference.eval import EvalConfig
+    from draftsmith.evaluation.config import EvalConfig
 
     tasks = ["code-complete", "code-foreign", "docstring"]
 
-    def evaluate(target, tokenizer, chosen, factories, cfg, aux_layer_ids=None):
+    def evaluate(target, tokenizer, chosen, rows, cfg):
         (task,) = chosen
         if task == "code-foreign" and cfg.max_new_tokens > 16:      # the real run of the second task hangs
             for _ in range(1000):
                 time.sleep(0.01)
-        return {"config": {"k": cfg.k, "methods": ["ngram"]}, "tasks": {task: {"prompts": len(chosen[task])}}}
+        return {"config": {"k": 3, "methods": ["ngram"]}, "tasks": {task: {"prompts": len(chosen[task])}}}
 
     monkeypatch.setattr(eval_mod, "evaluate", evaluate)
-    monkeypatch.setattr(pipeline, "build_proposers", lambda *a, **k: ({}, None))
+    monkeypatch.setattr(pipeline, "build_eval_rows", lambda *a, **k: {})
+    monkeypatch.setattr(pipeline, "eval_rows", lambda *a, **k: {})
     monkeypatch.setattr(reference, "tasks", lambda names: {t: [{"messages": []}] * 3 for t in names})
-    recipe = type("R", (), {"eval": EvalConfig(tasks=tasks, methods=["ngram"], max_new_tokens=64),
+    recipe = type("R", (), {"eval": EvalConfig(tasks=tasks, max_new_tokens=64),
+                            "drafter": type("D", (), {"method": "ngram"}),
                             "target": type("T", (), {"name_or_path": "reference"})})()
     run = gpu_demo.Run(tmp_path, time.time(), 600.0, {"budget_s": 600.0})
     run.deadlines["eval"] = time.time() + 2.0
@@ -150,7 +164,7 @@ def _result(cuts=()):
     report = {"config": {"k": 5, "max_new_tokens": 64, "methods": ["eagle3", "ngram"]},
               "tasks": {t: {"prompts": 8, "plain": plain, "eagle3": row, "ngram": row} for t in ("code-complete",
                                                                                                  "docstring")}}
-    from draftsmith.inference.eval import format_table
+    from draftsmith.evaluation.heldout import format_table
 
     return {"device": {"type": "cuda", "name": "NVIDIA H200", "memory_gib": 139.8, "capability": "9.0"},
             "versions": {"torch": "2.11.0+cu130", "cuda": "13.0", "transformers": "5.24.0", "accelerate": "1.15.0",

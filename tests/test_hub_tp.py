@@ -2,16 +2,16 @@
 import pytest
 import torch
 
-from draftsmith.export.hub import plan_push, push_head
+from draftsmith.pipeline.hub import plan_push, push_head
 from draftsmith.export.metadata import HeadMismatchError
 from draftsmith.export.tensor_parallel import tensor_parallel_problems
 
 
 @pytest.fixture
 def head_dir(tiny_llama, tmp_path):
-    from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
+    from draftsmith.drafters.eagle3.export import export_eagle3
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
     target = tiny_llama(seed=9)
     head = Eagle3Head(Eagle3Config.from_target(target.config, aux_layer_ids=(1, 2, 3)))

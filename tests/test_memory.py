@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from draftsmith.inference import memory
-from draftsmith.inference.memory import MemoryPlanError, kv_bytes_per_token, plan_memory
+from draftsmith.serve import memory
+from draftsmith.serve.memory import MemoryPlanError, kv_bytes_per_token, plan_memory
 
 MIB = 2**20
 
@@ -27,9 +27,9 @@ def _tokenizer():
 @pytest.fixture(scope="module")
 def folders(tiny_llama, tmp_path_factory):
     """Saved tiny target, tiny draft (same tokenizer) and an exported EAGLE-3 head."""
-    from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
+    from draftsmith.drafters.eagle3.export import export_eagle3
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
     root = tmp_path_factory.mktemp("memory")
     target = tiny_llama(seed=0)
@@ -55,7 +55,7 @@ def test_weights_and_kv_are_counted_exactly(folders):
     assert plan.fits and plan.advice == [] and plan.max_model_len == 100
     assert plan_memory(c, free_bytes=2**40).max_model_len == c.max_position_embeddings
     # the KV cache of a real run after 100 tokens takes what the plan says per token
-    from draftsmith.inference.target import TargetModel
+    from draftsmith.core.target import TargetModel
 
     wrapped = TargetModel(target)
     cache = wrapped.new_cache()
@@ -64,46 +64,56 @@ def test_weights_and_kv_are_counted_exactly(folders):
     assert real == plan.items["target KV cache"]
 
 
+def _items(method: str, model=None, dtype: str = "float32", c=None):
+    """The memory items of a drafter, as ``serve.memory.plan_for_engine`` gets them from the registry."""
+    from draftsmith import drafters
+    from draftsmith.drafters.speculative import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 3,
+                                        **({"model": str(model)} if model is not None else {})})
+    return drafters.get(method).memory(spec, c, dtype)
+
+
 def test_drafters_are_counted(folders):
-    from transformers import AutoConfig
+    from draftsmith.drafters.speculative import SpeculativeConfig
 
     root, c = folders["root"], folders["target"].config
-    draft = plan_memory(c, max_model_len=64, method="draft_model", draft_config=AutoConfig.from_pretrained(root / "draft"),
-                        free_bytes=2**40)
+    draft = plan_memory(c, max_model_len=64, drafter=_items("draft_model", root / "draft", c=c), free_bytes=2**40)
     assert draft.items["draft model KV cache"] == 64 * 2 * 1 * 2 * 8 * 4           # one layer
     assert draft.items["draft model weights"] > 0
-    eagle = plan_memory(c, max_model_len=64, method="eagle3", head_dir=root / "head", free_bytes=2**40)
+    eagle = plan_memory(c, max_model_len=64, drafter=_items("eagle3", root / "head", c=c), free_bytes=2**40)
     head_params = sum(p.numel() for p in folders["head"].parameters())
     assert eagle.items["EAGLE-3 head weights"] >= head_params * 4 * 0.9            # the exported tensors
     assert eagle.items["EAGLE-3 head KV cache"] == 64 * 2 * 2 * 8 * 4
-    ngram = plan_memory(c, max_model_len=64, method="ngram", free_bytes=2**40)
+    ngram = plan_memory(c, max_model_len=64, drafter=_items("ngram", c=c), free_bytes=2**40)
     assert set(ngram.items) == {"target weights", "target KV cache", "prefill activations", "margin (10%)"}
-    with pytest.raises(ValueError, match="draft_config"):
-        plan_memory(c, method="draft_model", free_bytes=2**40)
+    with pytest.raises(ValueError, match="model"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_speculative_tokens": 3})
 
 
 def test_small_free_memory_stops_with_advice_that_works(folders):
-    c = folders["target"].config
-    full = plan_memory(c, max_model_len=512, method="draft_model", draft_config=c, free_bytes=2**40)
+    root, c = folders["root"], folders["target"].config
+    same = _items("draft_model", root / "target", c=c)                             # a draft as large as the target
+    full = plan_memory(c, max_model_len=512, drafter=same, free_bytes=2**40)
     weights = full.items["target weights"] + full.items["draft model weights"]
     free = weights * 1.1 + (full.total_bytes - weights * 1.1) // 4               # room for about a quarter of the length
-    plan = plan_memory(c, max_model_len=512, method="draft_model", draft_config=c, free_bytes=int(free))
+    plan = plan_memory(c, max_model_len=512, drafter=same, free_bytes=int(free))
     assert not plan.fits
     with pytest.raises(MemoryPlanError) as e:
         plan.check()
     message = str(e.value)
     assert "does NOT fit" in message and "free" in message and "draft model KV cache" in message
-    assert "--max-model-len" in message and "EAGLE-3" in message and "bfloat16" in message
+    assert "--max-model-len" in message and "bfloat16" in message and "smaller draft model" in message
     suggested = int(message.split("--max-model-len ")[1].split()[0])
     assert 16 <= suggested < 512
-    assert plan_memory(c, max_model_len=suggested, method="draft_model", draft_config=c, free_bytes=int(free)).fits
+    assert plan_memory(c, max_model_len=suggested, drafter=same, free_bytes=int(free)).fits
     tiny = plan_memory(c, max_model_len=512, free_bytes=MIB // 8)                  # not even the weights
     assert "a shorter max length will not do" in "\n".join(tiny.advice)
 
 
 def test_engine_refuses_before_loading(folders, monkeypatch):
     from draftsmith import models
-    from draftsmith.inference.engine import Engine
+    from draftsmith.serve.engine import Engine
 
     root = folders["root"]
 
@@ -119,8 +129,8 @@ def test_engine_refuses_before_loading(folders, monkeypatch):
     monkeypatch.undo()
     engine = Engine.from_pretrained(str(root / "target"), device="cpu", max_model_len=64)   # real free memory
     assert engine.max_model_len == 64
-    from draftsmith.inference.engine import RequestError
-    from draftsmith.inference.generate import GenerationConfig
+    from draftsmith.serve.engine import RequestError
+    from draftsmith.core.generate import GenerationConfig
 
     with pytest.raises(RequestError, match="maximum context length is 64"):
         engine.generate([5] * 60, GenerationConfig(max_new_tokens=8))

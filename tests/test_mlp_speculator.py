@@ -5,14 +5,14 @@ import json
 import pytest
 import torch
 
-from draftsmith.export.identity import target_identity
+from draftsmith.identity import target_identity
 from draftsmith.export.metadata import HeadMismatchError
-from draftsmith.export.mlp_speculator import check_mlp_speculator, export_mlp_speculator, load_mlp_speculator
-from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
-from draftsmith.inference.generate import GenerationConfig, generate_plain, generate_speculative
-from draftsmith.inference.proposers.mlp_speculator import MLPSpeculatorProposer
-from draftsmith.inference.target import TargetModel
-from draftsmith.train.mlp_speculator import mlp_speculator_loss
+from draftsmith.drafters.mlp_speculator.export import check_mlp_speculator, export_mlp_speculator, load_mlp_speculator
+from draftsmith.drafters.mlp_speculator.head import MLPSpeculator, MLPSpeculatorConfig
+from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
+from draftsmith.drafters.mlp_speculator.proposer import MLPSpeculatorProposer
+from draftsmith.core.target import TargetModel
+from draftsmith.drafters.mlp_speculator.train import mlp_speculator_loss
 
 
 def make_head(target, n_predict=3, inner_dim=None, seed=0, scale_input=False):
@@ -158,9 +158,10 @@ def test_training_reduces_the_loss_on_a_tiny_batch(trained):
 
 
 def test_config_refusals_name_the_field_and_the_fix(tiny_llama, tmp_path):
-    from draftsmith.train.acceptance import AcceptanceConfig
-    from draftsmith.train.mlp_speculator import MLPSpeculatorHeadConfig, train_mlp_speculator
-    from draftsmith.train.trainer import TrainConfig
+    from draftsmith.train.config import AcceptanceConfig
+    from draftsmith.drafters.mlp_speculator.config import Section as MLPSpeculatorHeadConfig
+    from conftest import train_mlp_speculator
+    from draftsmith.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="tie_weights=True is not supported.*tie_weights: false"):
         MLPSpeculatorConfig(vocab_size=96, emb_dim=32, inner_dim=32, n_predict=3, tie_weights=True)
@@ -316,7 +317,8 @@ def test_mismatched_metadata_is_refused_naming_the_field(trained, tmp_path, tiny
 
 
 def test_engine_serves_the_head_as_a_fourth_method(trained, tmp_path, word_tokenizer):
-    from draftsmith.inference.engine import Engine, SpeculativeConfig
+    from draftsmith.serve.engine import Engine
+    from draftsmith.drafters.speculative import SpeculativeConfig
 
     target, head, _ = trained
     tok = word_tokenizer()
@@ -364,10 +366,11 @@ def test_pipeline_trains_exports_checks_and_reexports(tiny_llama, word_tokenizer
     export RUN_DIR` of the checkpoint and of the exported directory give the same weights, and eval's
     drafter table serves the head."""
     from draftsmith.config import load_config
-    from draftsmith.export.check import check_head
+    from draftsmith.drafters.eagle3.check import check_head
     from draftsmith.export.metadata import read_metadata
-    from draftsmith.inference.eval import EvalConfig
-    from draftsmith.pipeline import Recipe, build_proposers, export_run, run_train
+    from draftsmith.drafters.speculative import SpeculativeConfig
+    from draftsmith.pipeline.stages import build_eval_rows, export_run, run_train
+    from draftsmith.pipeline.recipe import Recipe
 
     words = [f"w{i}" for i in range(3, 96)]
     rng = __import__("random").Random(0)
@@ -380,12 +383,12 @@ def test_pipeline_trains_exports_checks_and_reexports(tiny_llama, word_tokenizer
     target.save_pretrained(tmp_path / "target")                 # export_run reloads the recipe's target by name
     tok.save_pretrained(tmp_path / "target")
     recipe = load_config(Recipe, None, [
-        f"out_dir={tmp_path / 'runs'}", "name=mlp", "method=mlp_speculator", f"data.source={source}",
+        f"out_dir={tmp_path / 'runs'}", "name=mlp", "drafter.method=mlp_speculator", f"data.source={source}",
         f"target.name_or_path={tmp_path / 'target'}", "data.num_conversations=11", "data.heldout_conversations=3",
-        "data.regenerate=false", "data.max_length=48", "mlp_speculator.n_predict=3", "train.mode=offline",
+        "data.regenerate=false", "data.max_length=48", "drafter.n_predict=3", "drafter.num_speculative_tokens=3", "train.mode=offline",
         "train.max_steps=3", "train.batch_size=4", "train.warmup_steps=1", "train.log_every=1",
         "train.acceptance.every=3", "train.acceptance.prompts=2", "train.acceptance.k=3",
-        "train.acceptance.max_new_tokens=6", "head.aux_layer_ids=[1, 2, 3]", "capture.shard_size=5",
+        "train.acceptance.max_new_tokens=6", "capture.aux_layer_ids=[1, 2, 3]", "capture.shard_size=5",
         "capture.batch_size=2", "export.formats=[all]"])
     out = run_train(recipe)
     meta = read_metadata(out)
@@ -396,8 +399,9 @@ def test_pipeline_trains_exports_checks_and_reexports(tiny_llama, word_tokenizer
     assert read_metadata(from_checkpoint).weights == meta.weights
     copied = export_run(out, tmp_path / "copy", ["all"])
     assert read_metadata(copied).weights == meta.weights and read_metadata(copied).target == meta.target
-    factories, aux = build_proposers(["mlp_speculator"], EvalConfig(k=3), target, tok, out)
-    assert aux is None and factories["mlp_speculator"]().needs_final_hidden
+    spec = SpeculativeConfig.from_dict({"method": "mlp_speculator", "model": str(out), "num_speculative_tokens": 3})
+    (row,) = build_eval_rows({"mlp": spec}, target, tok).values()
+    assert row.k == 3 and row.make_proposer().needs_final_hidden
 
 
 # ------------------------------------------------------------------------------ vLLM's module (opt-in)
@@ -413,7 +417,7 @@ def test_vllm_mlp_speculator_loads_the_export_and_computes_the_same_stages(tiny_
     import sys
     from pathlib import Path
 
-    from draftsmith.export.referee import vllm_python
+    from draftsmith.evaluation.referee import vllm_python
 
     asked = (os.environ.get("DRAFTSMITH_RUN_VLLM") == "1" or request.config.getoption("--run-vllm", default=False)
              or "vllm" in (request.config.getoption("markexpr", default="") or ""))

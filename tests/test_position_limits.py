@@ -12,10 +12,10 @@ import logging
 import pytest
 import torch
 
-from draftsmith.inference.engine import Engine
-from draftsmith.inference.generate import GenerationConfig, generate_plain, generate_speculative
-from draftsmith.inference.proposers import DraftModelProposer
-from draftsmith.inference.target import TargetModel, has_learned_positions, position_limit
+from draftsmith.serve.engine import Engine
+from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
+from draftsmith.drafters.draft_model.proposer import DraftModelProposer
+from draftsmith.core.target import TargetModel, has_learned_positions, position_limit
 
 V = 96
 SHORT = 64                               # the drafts' positions; the tiny target has 512
@@ -98,7 +98,7 @@ def test_from_pretrained_refuses_the_draft_before_loading_the_target(tmp_path, m
 def test_the_memory_plan_reads_the_limit_of_any_config(tiny_llama):
     from transformers import BloomConfig
 
-    from draftsmith.inference.memory import plan_memory
+    from draftsmith.serve.memory import plan_memory
 
     assert plan_memory(gpt2().config, free_bytes=2**40).max_model_len == SHORT            # n_positions
     alibi = BloomConfig(vocab_size=V, hidden_size=32, n_layer=1, n_head=2)                 # declares no limit
@@ -112,7 +112,7 @@ def test_a_rope_draft_declaring_fewer_positions_is_served_with_a_warning(target,
     draft = tiny_llama(seed=1, vocab_size=V, num_hidden_layers=1)
     draft.config.max_position_embeddings = SHORT
     spec = {"method": "draft_model", "model": saved(draft, tokenizer, tmp_path / "draft"), "num_speculative_tokens": 3}
-    with caplog.at_level(logging.WARNING, logger="draftsmith.inference.engine"):
+    with caplog.at_level(logging.WARNING, logger="draftsmith.serve.engine"):
         engine = Engine(target, tokenizer, spec)
     assert [r for r in caplog.records if f"max_position_embeddings={SHORT}" in r.getMessage()]
     prompt, cfg = long_prompt(), GenerationConfig(max_new_tokens=8)
@@ -141,14 +141,17 @@ def test_decoding_loops_refuse_a_request_past_the_targets_limit():
 
 
 def test_eval_refuses_long_prompts_before_running(tokenizer):
-    from draftsmith.inference.eval import EvalConfig, evaluate
-    from draftsmith.inference.proposers import NgramProposer
+    from draftsmith.core.target import TargetModel
+    from draftsmith.drafters.ngram.proposer import NgramProposer
+    from draftsmith.evaluation.config import EvalConfig
+    from draftsmith.evaluation.heldout import EvalRow, evaluate
 
     target = gpt2()
     tasks = {"t": [{"id": "short", "messages": [{"role": "user", "content": "w5 w6"}]},
                    {"id": "long", "messages": [{"role": "user", "content": " ".join(["w7"] * 70)}]}]}
     called = []
     with pytest.raises(ValueError, match=r"n_positions \(64\): t/long \(7\d tokens\); leave them out"):
-        evaluate(target, tokenizer, tasks, {"ngram": lambda: called.append(1) or NgramProposer()},
+        evaluate(target, tokenizer, tasks,
+                 {"ngram": EvalRow(lambda: called.append(1) or NgramProposer(), 3, TargetModel(target))},
                  EvalConfig(max_new_tokens=8))
     assert not called                                                     # refused before any decoding

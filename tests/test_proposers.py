@@ -6,10 +6,12 @@ import torch
 from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
-from draftsmith.inference.generate import GenerationConfig, generate_plain
-from draftsmith.inference.proposers import DraftModelProposer, NgramProposer, Proposal, check_same_tokenizer
-from draftsmith.inference.proposers.ngram import find_ngram_continuation
-from draftsmith.inference.target import TargetModel
+from draftsmith.core.generate import GenerationConfig, generate_plain
+from draftsmith.drafters.draft_model.proposer import DraftModelProposer, check_same_tokenizer
+from draftsmith.drafters.ngram.proposer import NgramProposer
+from draftsmith.core.proposer import Proposal
+from draftsmith.drafters.ngram.proposer import find_ngram_continuation
+from draftsmith.core.target import TargetModel
 
 
 def _lookup(context, k, min_n, max_n):
@@ -104,3 +106,35 @@ def test_draft_model_sampling_returns_q(tiny_llama):
     assert (proposal.q[torch.arange(3), proposal.tokens] > 0).all()
     assert ((proposal.q > 0).sum(-1) <= 20).all()                     # top-k applied to q
     assert run(0).tokens.tolist() == proposal.tokens.tolist()         # seeded
+
+
+def test_incremental_index_drafts_what_a_rescan_drafts():
+    """``NgramIndex`` (kept as tokens arrive) proposes exactly what rescanning the whole context proposes
+    (``find_ngram_continuation``), at every step of random low-entropy sequences, for every bound pair and k."""
+    from draftsmith.drafters.ngram.proposer import NgramIndex
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        seq = torch.randint(0, 3 + trial % 5, (60,), generator=g).tolist()
+        for min_n, max_n in ((1, 1), (1, 3), (2, 5), (3, 3)):
+            index = NgramIndex(min_n, max_n)
+            for i, token in enumerate(seq):
+                index.append([token])
+                for k in (1, 4):
+                    assert index.continuation(k) == _lookup(seq[:i + 1], k, min_n, max_n), (trial, i, k)
+
+
+def test_ngram_proposer_does_not_rescan_its_context(monkeypatch):
+    """A step costs the same at any context length: proposing never unfolds the context again."""
+    proposer = NgramProposer(1, 5)
+    context = torch.randint(0, 50, (20_000,), generator=torch.Generator().manual_seed(1))
+    proposer.start(context[:-1], int(context[-1]))
+
+    def unfold(*args, **kwargs):
+        raise AssertionError("the proposer rescanned its context")
+
+    monkeypatch.setattr(torch.Tensor, "unfold", unfold)
+    for step in range(200):
+        proposal = proposer.propose(4)
+        proposer.accept(0, torch.tensor([step % 50]))
+        assert proposal.tokens.numel() <= 4

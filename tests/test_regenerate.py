@@ -13,7 +13,8 @@ import torch
 
 from draftsmith.config import ConfigError, load_config
 from draftsmith.data_pipeline import regenerate as regen
-from draftsmith.data_pipeline.prepare import DataConfig, prepare
+from draftsmith.data_pipeline.prepare import prepare
+from draftsmith.data_pipeline.config import DataConfig
 from draftsmith.data_pipeline.regenerate import (Answer, RuntimeAnswerer, ServerAnswerer, ServerError,
                                                  TransformersAnswerer, answer_seed, make_answerer, regenerate)
 
@@ -173,8 +174,8 @@ class Loopback:
 
 @pytest.fixture(scope="module")
 def draftsmith_server(target, chatml):
-    from draftsmith.inference.engine import Engine
-    from draftsmith.inference.server import create_app
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.server import create_app
 
     with Loopback(create_app(Engine(target, chatml, model_name="tiny-served"))) as server:
         yield server.url

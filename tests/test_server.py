@@ -12,10 +12,11 @@ import re
 import pytest
 import torch
 
-from draftsmith.inference.engine import (Engine, RequestCancelled, RequestError, SpeculativeConfig,
-                                         TextStream)
-from draftsmith.inference.generate import GenerationConfig, generate_plain
-from draftsmith.inference.server import create_app
+from draftsmith.serve.engine import Engine, RequestCancelled, RequestError
+from draftsmith.drafters.speculative import SpeculativeConfig
+from draftsmith.core.stops import TextStream
+from draftsmith.core.generate import GenerationConfig, generate_plain
+from draftsmith.serve.server import create_app
 
 V = 96
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|> {% endfor %}"
@@ -239,8 +240,8 @@ def test_ngram_greedy_equals_plain_and_metrics_grow(plain_client, ngram_client):
 
 def test_engine_stats_match_generate(target, tokenizer):
     """The engine's counted stats are the loop's own SpecStats."""
-    from draftsmith.inference.generate import generate_speculative
-    from draftsmith.inference.proposers import NgramProposer
+    from draftsmith.core.generate import generate_speculative
+    from draftsmith.drafters.ngram.proposer import NgramProposer
 
     engine = Engine(target, tokenizer, NGRAM)
     ids = tokenizer(PROMPT).input_ids
@@ -252,9 +253,9 @@ def test_engine_stats_match_generate(target, tokenizer):
 
 
 def test_draft_model_and_eagle3_greedy_equal_plain(target, tokenizer, tiny_llama, tmp_path):
-    from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
+    from draftsmith.drafters.eagle3.export import export_eagle3
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
     draft_dir = tmp_path / "draft"
     tiny_llama(seed=1, vocab_size=V, num_hidden_layers=1).save_pretrained(draft_dir)
@@ -276,9 +277,9 @@ def test_draft_model_and_eagle3_greedy_equal_plain(target, tokenizer, tiny_llama
 
 def test_engine_refuses_foreign_head_and_draft(target, tokenizer, tiny_llama, tmp_path):
     from draftsmith.export.check import HeadMismatchError
-    from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
+    from draftsmith.drafters.eagle3.export import export_eagle3
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
     other = tiny_llama(seed=2, vocab_size=V, hidden_size=64)
     head_dir = export_eagle3(Eagle3Head(Eagle3Config.from_target(other.config)), tmp_path / "head",
@@ -297,8 +298,9 @@ def test_engine_refuses_foreign_head_and_draft(target, tokenizer, tiny_llama, tm
 def test_speculative_config_keys(target, tokenizer):
     with pytest.raises(ValueError, match="unknown key.*'num_draft_tokens'"):
         Engine(target, tokenizer, '{"method": "ngram", "num_draft_tokens": 3}')
-    assert SpeculativeConfig.parse(json.dumps(NGRAM)) == SpeculativeConfig("ngram", None, 3, 1, 3)
-    bad = [({"method": "medusa", "num_speculative_tokens": 2}, "not supported"),
+    assert SpeculativeConfig.parse(json.dumps(NGRAM)) == SpeculativeConfig("ngram", None, 3, {"prompt_lookup_min": 1,
+                                                                                     "prompt_lookup_max": 3})
+    bad = [({"method": "medusa", "num_speculative_tokens": 2}, "not a drafter"),
            ({"method": "ngram"}, "num_speculative_tokens"),
            ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
            ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "min"),
@@ -435,7 +437,7 @@ def test_32_concurrent_clients_match_serial_and_metrics_add_up(target, tokenizer
 
     import httpx
 
-    from draftsmith.inference.server import BackgroundServer
+    from draftsmith.serve.server import BackgroundServer
 
     engine = Engine(target, tokenizer, NGRAM, model_name="tiny")
     bodies = _concurrent_bodies()

@@ -8,7 +8,7 @@ from draftsmith.data_pipeline import shards
 from draftsmith.data_pipeline.capture import capture
 from draftsmith.data_pipeline.chat import render
 from draftsmith.data_pipeline.shards import SafetensorsStream, ShardError, ShardReader, shard_name, write_shards
-from draftsmith.export.identity import file_sha256, target_identity
+from draftsmith.identity import file_sha256, target_identity
 
 AUX = (0, 1, 2)
 MAX_LENGTH = 40

@@ -20,9 +20,10 @@ import torch
 from transformers import LlamaForCausalLM
 
 from draftsmith import reference
-from draftsmith.inference.engine import Engine, TextStream, _StopStringFound
-from draftsmith.inference.generate import GenerationConfig
-from draftsmith.inference.proposers import Proposal, Proposer
+from draftsmith.serve.engine import Engine
+from draftsmith.core.stops import TextStream, StopStringFound as StopStringFound
+from draftsmith.core.generate import GenerationConfig
+from draftsmith.core.proposer import Proposal, Proposer
 
 SCRIPT = "s = 'café' → 日本。\nprint('😀 naïve')  # → 😀。\n"
 PROMPT = "# copy the two lines below\n" + SCRIPT
@@ -79,7 +80,7 @@ def stream_through(tokenizer, parts: list[list[int]], stops: list[str]) -> tuple
     try:
         for part in parts:
             stream.add(part)
-    except _StopStringFound:
+    except StopStringFound:
         return stream, True, sent
     stream.finish()
     return stream, False, sent
@@ -112,7 +113,7 @@ def test_streamed_deltas_are_final_and_hold_back_stop_prefixes(tokenizer, script
                 shown = "".join(sent)
                 assert final.startswith(shown) and "\ufffd" not in shown
                 assert not any(shown.endswith(s[:n]) for s in stops for n in range(1, len(s))), shown
-        except _StopStringFound:
+        except StopStringFound:
             pass
         stream.finish()
         assert "".join(sent) == expected_stop(tokenizer, script_ids, stops)[1]
@@ -209,9 +210,9 @@ class ScriptedEngine(Engine):
 @pytest.fixture(scope="module")
 def scripted(tokenizer, script_ids, tmp_path_factory):
     """(target, prompt ids, engines by name): plain, ngram, draft_model, eagle3, scripted chunkings."""
-    from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
+    from draftsmith.drafters.eagle3.export import export_eagle3
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
     target = ScriptedTarget.from_pretrained(reference.TARGET_DIR, dtype=torch.float32).eval()
     prompt = tokenizer(PROMPT).input_ids
@@ -255,7 +256,7 @@ def test_every_method_stops_at_the_canonical_token(tokenizer, script_ids, script
 def test_server_streams_the_text_it_returns_for_every_stop(tokenizer, script_ids, scripted):
     from fastapi.testclient import TestClient
 
-    from draftsmith.inference.server import create_app
+    from draftsmith.serve.server import create_app
 
     target, prompt, engines = scripted
     body = {"prompt": prompt, "max_tokens": len(script_ids), "temperature": 0}

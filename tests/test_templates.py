@@ -365,7 +365,8 @@ def test_parquet_and_load_dataset_folders_normalise_alike(good_records, tmp_path
 
 def test_prepare_skips_and_counts_malformed_records(mixed_jsonl, tmp_path):
     from draftsmith import reference
-    from draftsmith.data_pipeline.prepare import DataConfig, prepare
+    from draftsmith.data_pipeline.prepare import prepare
+    from draftsmith.data_pipeline.config import DataConfig
 
     target, tok = reference.target()
     cfg = DataConfig(source=str(mixed_jsonl), num_conversations=None, heldout_conversations=0, regenerate=False,

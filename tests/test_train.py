@@ -8,11 +8,13 @@ import random
 import pytest
 import torch
 
-import draftsmith.train.eagle3 as trainer
+import draftsmith.train.trainer as trainer
 from draftsmith.data_pipeline.dataset import RenderedDataset
-from draftsmith.heads.vocab import build_vocab_map, count_tokens
+from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens
 from draftsmith.train.checkpoint import checkpoint_vocab_map
-from draftsmith.train.eagle3 import HeadConfig, TrainConfig, train_eagle3
+from draftsmith.drafters.eagle3.config import Section as HeadConfig
+from draftsmith.train.config import TrainConfig
+from conftest import train_eagle3
 
 
 def make_data(n=12, t=20, vocab=96, seed=0):
@@ -111,7 +113,7 @@ def test_resume_refuses_another_data_schedule(tiny_llama, tmp_path):
 
 
 def test_length_grouped_batches_cover_the_epoch_once_with_less_padding():
-    from draftsmith.train.eagle3 import batches_for_epoch
+    from draftsmith.train.batches import batches_for_epoch
 
     rng = random.Random(0)
     lengths = [rng.randint(10, 600) for _ in range(1003)]
@@ -174,12 +176,13 @@ def test_right_padding_changes_neither_states_nor_loss(tiny_llama):
     those of the unpadded sequence (position ids 0..len-1 in both)."""
     from draftsmith.data_pipeline.capture import capture
     from draftsmith.data_pipeline.dataset import pad_batch
-    from draftsmith.train.ttt import ttt_loss
+    from draftsmith.drafters.eagle3.train import build_head
+    from draftsmith.drafters.eagle3.ttt import ttt_loss
 
     target = tiny_llama(seed=7)
     data = make_data(n=2)
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 64, always_include=[1])
-    head = trainer.build_head(target, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]))
+    head = build_head(target, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]))
     short, long_ = data.input_ids[1], data.input_ids[0]
     assert short.numel() < long_.numel()
     alone_ids, alone_attn, alone_mask = pad_batch([short], [data.loss_mask[1]], 0)
@@ -200,7 +203,7 @@ def test_right_padding_changes_neither_states_nor_loss(tiny_llama):
 
 def test_micro_batches_do_not_depend_on_the_world_size():
     """1 process x 4 accumulation steps, 2 x 2 and 4 x 1 read the same micro-batches at every step."""
-    from draftsmith.train.batches import StepSchedule
+    from draftsmith.train.batches import StepSchedule, batches_for_epoch
 
     lengths = [random.Random(i).randint(5, 50) for i in range(37)]
     one = StepSchedule(37, 8, 2, 1, seed=3, lengths=lengths)
@@ -212,7 +215,7 @@ def test_micro_batches_do_not_depend_on_the_world_size():
             merged = [mb for r in range(world) for mb in many.micro_batches(step, r)]
             assert merged == one.micro_batches(step, 0)
     plain = StepSchedule(37, 8, 8, 1, seed=3)                          # no accumulation: the old batches
-    assert [plain.micro_batches(s, 0)[0] for s in range(5)] == trainer.batches_for_epoch(37, 8, 3, 0)
+    assert [plain.micro_batches(s, 0)[0] for s in range(5)] == batches_for_epoch(37, 8, 3, 0)
     with pytest.raises(ValueError, match="multiple"):
         StepSchedule(37, 8, 3, 2, seed=0)
 
@@ -241,9 +244,12 @@ def test_launches_that_differ_from_the_recipe_are_refused(monkeypatch):
 def test_inloop_acceptance_is_the_eval_acceptance(tiny_llama, chatml, tmp_path):
     """τ logged every N steps equals what `draftsmith eval`'s evaluate() reports for the same head and prompts."""
     from draftsmith.data_pipeline.dataset import render_dataset
-    from draftsmith.inference.eval import EvalConfig, evaluate
-    from draftsmith.inference.proposers.eagle3 import Eagle3Proposer
-    from draftsmith.train.acceptance import AcceptanceConfig, heldout_prompts
+    from draftsmith.core.target import TargetModel
+    from draftsmith.drafters.eagle3.proposer import Eagle3Proposer
+    from draftsmith.evaluation.config import EvalConfig
+    from draftsmith.evaluation.heldout import EvalRow, evaluate
+    from draftsmith.train.acceptance import heldout_prompts
+    from draftsmith.train.config import AcceptanceConfig
 
     target = tiny_llama(seed=3, vocab_size=len(chatml))
     data = render_dataset(chatml, conversations(8), 48)
@@ -257,8 +263,8 @@ def test_inloop_acceptance_is_the_eval_acceptance(tiny_llama, chatml, tmp_path):
     measured = [e for e in result.log if "tau" in e]
     assert [e["step"] for e in measured] == [2, 4] and [e["step"] for e in result.log] == [2, 3, 4]
     tasks = {"heldout": [{"messages": m} for m in heldout_prompts(heldout, 3)]}
-    report = evaluate(target, chatml, tasks, {"eagle3": lambda: Eagle3Proposer(result.head)},
-                      EvalConfig(k=3, max_new_tokens=12, threads=None), aux_layer_ids=(1, 2, 3))
+    row = EvalRow(lambda: Eagle3Proposer(result.head), 3, TargetModel(target, chatml, aux_layer_ids=(1, 2, 3)))
+    report = evaluate(target, chatml, tasks, {"eagle3": row}, EvalConfig(max_new_tokens=12, threads=None))
     row = report["tasks"]["heldout"]["eagle3"]
     assert row["greedy_mismatches"] == 0
     assert measured[-1]["tau"] == pytest.approx(row["tau"]) and measured[-1]["tau"] >= 1.0
@@ -299,14 +305,15 @@ def test_pipeline_trains_offline_from_capture(tiny_llama, chatml, tmp_path):
     """`draftsmith capture` then `draftsmith train` with train.mode=offline: the head trains from the
     shards, τ is measured on the held-out split and lands in the exported metadata."""
     from draftsmith.config import load_config
-    from draftsmith.pipeline import Recipe, run_capture, run_train
+    from draftsmith.pipeline.stages import run_capture, run_train
+    from draftsmith.pipeline.recipe import Recipe
 
     source = tmp_path / "conversations.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in conversations(14)))
     recipe = load_config(Recipe, None, [
         f"out_dir={tmp_path / 'runs'}", "name=offline", f"data.source={source}", "data.num_conversations=11",
         "data.heldout_conversations=3", "data.regenerate=false", "data.max_length=48", "data.draft_vocab_size=128",
-        "head.aux_layer_ids=[1, 2, 3]", "head.ttt_steps=2", "train.mode=offline", "train.max_steps=3",
+        "drafter.aux_layer_ids=[1, 2, 3]", "drafter.ttt_steps=2", "drafter.num_speculative_tokens=2", "train.mode=offline", "train.max_steps=3",
         "train.batch_size=4", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every=1",
         "train.acceptance.every=3", "train.acceptance.prompts=2", "train.acceptance.k=2",
         "train.acceptance.max_new_tokens=6", "capture.shard_size=5", "capture.batch_size=2", "export.formats=[draftsmith]"])

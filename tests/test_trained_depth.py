@@ -10,8 +10,8 @@ import logging
 
 import pytest
 
-from draftsmith.inference.engine import Engine
-from draftsmith.inference.generate import GenerationConfig
+from draftsmith.serve.engine import Engine
+from draftsmith.core.generate import GenerationConfig
 
 V = 96
 
@@ -34,9 +34,9 @@ def target(tiny_llama):
 
 @pytest.fixture(scope="module")
 def head_dir(target, word_tokenizer, tmp_path_factory):
-    from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
+    from draftsmith.drafters.eagle3.export import export_eagle3
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
     head = Eagle3Head(Eagle3Config.from_target(target.config, ttt_steps=2))
     return str(export_eagle3(head, tmp_path_factory.mktemp("depth") / "head",
@@ -59,9 +59,11 @@ def test_engine_warns_once_when_k_exceeds_the_heads_ttt_steps(target, word_token
 
 def test_training_warns_once_when_inloop_k_exceeds_ttt_steps(tiny_llama, chatml, tmp_path, caplog):
     from draftsmith.data_pipeline.dataset import render_dataset
-    from draftsmith.heads.vocab import build_vocab_map, count_tokens
-    from draftsmith.train.acceptance import AcceptanceConfig
-    from draftsmith.train.eagle3 import HeadConfig, TrainConfig, train_eagle3
+    from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens
+    from draftsmith.train.config import AcceptanceConfig
+    from draftsmith.drafters.eagle3.config import Section as HeadConfig
+    from draftsmith.train.config import TrainConfig
+    from conftest import train_eagle3
 
     target = tiny_llama(seed=3, vocab_size=len(chatml))
     data = render_dataset(chatml, conversations(4), 48)

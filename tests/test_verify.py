@@ -5,9 +5,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from draftsmith.inference import verify
-from draftsmith.inference.sampling import logits_to_probs, residual_probs, sample
-from draftsmith.inference.verify import verify_greedy, verify_sampling
+from draftsmith.core import verify
+from draftsmith.core.sampling import logits_to_probs, residual_probs, sample
+from draftsmith.core.verify import verify_greedy, verify_sampling
 
 V = 10
 

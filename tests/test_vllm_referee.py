@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from draftsmith.export.referee import (Counters, RunResult, compare, record_verdicts, run_ours, vllm_python,
+from draftsmith.evaluation.referee import (Counters, RunResult, compare, record_verdicts, run_ours, vllm_python,
                                        vllm_view)
 
 VOCAB, HIDDEN, LAYERS, MAX_TOKENS = 256, 128, 4, 24
@@ -31,10 +31,10 @@ def build_tiny(root, seed: int = 0, draft_vocab_size: int = 160):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from draftsmith.export.identity import target_identity
-    from draftsmith.export.writer import export_eagle3
-    from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-    from draftsmith.heads.vocab import build_vocab_map
+    from draftsmith.identity import target_identity
+    from draftsmith.drafters.eagle3.export import export_eagle3
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+    from draftsmith.data_pipeline.vocab import build_vocab_map
 
     specials = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
     vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(VOCAB - len(specials))])}
@@ -69,7 +69,7 @@ def build_tiny(root, seed: int = 0, draft_vocab_size: int = 160):
 
 def _fit(head, target, seed: int, steps: int = TRAIN_STEPS) -> None:
     """A few TTT steps on the target's own greedy continuations of random prompts (seconds)."""
-    from draftsmith.train.ttt import ttt_loss
+    from draftsmith.drafters.eagle3.ttt import ttt_loss
 
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
@@ -114,14 +114,15 @@ def test_vllm_view_counts_full_drafts_until_the_stop():
 
 
 def test_ours_in_vllm_convention_matches_plain(tmp_path):
-    from draftsmith.export.check import load_eagle3
+    from draftsmith import drafters
+    from draftsmith.drafters.speculative import SpeculativeConfig
     from draftsmith.models import load_causal_lm
 
     target_dir, head_dir, tok = build_tiny(tmp_path)
     model, tok = load_causal_lm(str(target_dir))
-    head, _ = load_eagle3(head_dir, model, tok)
+    loaded = drafters.get("eagle3").load(SpeculativeConfig("eagle3", str(head_dir), 3), model, tok)
     prompts = tiny_prompts(tok, n=3)
-    plain, spec = run_ours(model, tok, head, prompts, (3,), MAX_TOKENS, [tok.eos_token_id])
+    plain, spec = run_ours(model, tok, loaded, prompts, (3,), MAX_TOKENS, [tok.eos_token_id])
     assert spec[3].tokens == plain.tokens
     total = spec[3].total
     assert 0 < total.accepted_per_pos[0] < total.num_drafts, "the constructed head should accept sometimes"
@@ -162,7 +163,7 @@ def vllm_opted_in(request):
 @pytest.mark.vllm
 def test_vllm_decodes_like_draftsmith(tmp_path, vllm_opted_in):
     from draftsmith.export.metadata import read_metadata
-    from draftsmith.export.referee import format_table, referee
+    from draftsmith.evaluation.referee import format_table, referee
 
     target_dir, head_dir, tok = build_tiny(tmp_path)
     verdicts, _ = referee(head_dir, str(target_dir), tiny_prompts(tok), ks=(3,), max_tokens=MAX_TOKENS)

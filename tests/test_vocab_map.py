@@ -14,8 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from draftsmith.data_pipeline.dataset import render_dataset
-from draftsmith.data_pipeline.prepare import DataConfig, load_prepared, prepare
-from draftsmith.heads.vocab import VocabMap, build_vocab_map, count_tokens, validate_vocab_map
+from draftsmith.data_pipeline.prepare import load_prepared, prepare
+from draftsmith.data_pipeline.config import DataConfig
+from draftsmith.data_pipeline.vocab import VocabMap, build_vocab_map, count_tokens, validate_vocab_map
 
 V = 200
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.export.check import check_head, load_eagle3
-from draftsmith.export.identity import file_sha256, target_identity
+from draftsmith.drafters.eagle3.check import check_head, load_eagle3
+from draftsmith.identity import file_sha256, target_identity
 from draftsmith.export.metadata import HeadMismatchError
-from draftsmith.export.writer import export_eagle3
-from draftsmith.heads.eagle3 import Eagle3Config, Eagle3Head
-from draftsmith.heads.vocab import build_vocab_map
+from draftsmith.drafters.eagle3.export import export_eagle3
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+from draftsmith.data_pipeline.vocab import build_vocab_map
 
 SPEC = "speculators/model.safetensors"
 
@@ -116,8 +116,8 @@ def test_a_weight_file_the_layout_does_not_have(exported_all):
 
 # ----------------------------------------------------------------------------------------- MLP speculator
 def test_mlp_speculator_checks_every_listed_file(tiny_llama, word_tokenizer, tmp_path):
-    from draftsmith.export.mlp_speculator import check_mlp_speculator, export_mlp_speculator
-    from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+    from draftsmith.drafters.mlp_speculator.export import check_mlp_speculator, export_mlp_speculator
+    from draftsmith.drafters.mlp_speculator.head import MLPSpeculator, MLPSpeculatorConfig
 
     target, tok = tiny_llama(seed=3), word_tokenizer()
     head = MLPSpeculator(MLPSpeculatorConfig.from_target(target.config, n_predict=2))
@@ -141,7 +141,7 @@ def test_mlp_speculator_checks_every_listed_file(tiny_llama, word_tokenizer, tmp
 @pytest.fixture
 def draft_dir(tiny_llama, word_tokenizer, tmp_path):
     """(dir, target, tokenizer): a 1-layer draft LM of the tiny target's vocabulary, exported untrained."""
-    from draftsmith.export.draft_model import export_draft_model
+    from draftsmith.drafters.draft_model.export import export_draft_model
 
     target, tok = tiny_llama(seed=7), word_tokenizer()
     draft = tiny_llama(seed=8, num_hidden_layers=1)
@@ -155,7 +155,7 @@ def draft_dir(tiny_llama, word_tokenizer, tmp_path):
 ])
 def test_draft_model_weights_are_checked_against_its_config(draft_dir, mutate, words):
     """transformers would load such a file with a warning (a missing tensor randomly initialised)."""
-    from draftsmith.export.draft_model import check_draft_model, load_draft_model
+    from draftsmith.drafters.draft_model.export import check_draft_model, load_draft_model
 
     out, target, tok = draft_dir
     check_draft_model(out, target, tok)
@@ -170,7 +170,7 @@ def test_draft_model_weights_are_checked_against_its_config(draft_dir, mutate, w
 
 
 def test_sharded_draft_model_checks_every_shard_and_the_index(draft_dir):
-    from draftsmith.export.draft_model import check_draft_model
+    from draftsmith.drafters.draft_model.export import check_draft_model
 
     out, target, tok = draft_dir
     model = __import__("transformers").AutoModelForCausalLM.from_pretrained(out)
@@ -200,7 +200,7 @@ def test_sharded_draft_model_checks_every_shard_and_the_index(draft_dir):
 
 def test_draft_model_config_must_describe_the_recorded_draft(draft_dir):
     """draftsmith.json records the draft's geometry; a config.json describing another one is refused."""
-    from draftsmith.export.draft_model import check_draft_model
+    from draftsmith.drafters.draft_model.export import check_draft_model
 
     out, target, tok = draft_dir
     config = json.loads((out / "config.json").read_text())
@@ -228,8 +228,8 @@ def test_eagle3_top_level_copies_must_equal_head_config(exported_all, field, val
 
 
 def test_mlp_speculator_recorded_draft_vocab_must_be_its_vocab(tiny_llama, word_tokenizer, tmp_path):
-    from draftsmith.export.mlp_speculator import check_mlp_speculator, export_mlp_speculator
-    from draftsmith.heads.mlp_speculator import MLPSpeculator, MLPSpeculatorConfig
+    from draftsmith.drafters.mlp_speculator.export import check_mlp_speculator, export_mlp_speculator
+    from draftsmith.drafters.mlp_speculator.head import MLPSpeculator, MLPSpeculatorConfig
 
     target, tok = tiny_llama(seed=3), word_tokenizer()
     out = export_mlp_speculator(MLPSpeculator(MLPSpeculatorConfig.from_target(target.config, n_predict=2)),

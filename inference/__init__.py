@@ -1,1 +1,0 @@
-"""draftsmith.inference"""

@@ -1,0 +1,178 @@
+"""The target model as the runtime sees it: one forward over new tokens of one sequence, with a KV cache.
+
+``TargetModel`` wraps any transformers causal LM (Llama, Qwen2/3, Mistral, ...). The runtime's unit is
+ONE sequence (batch size 1): tensors here are 1-D token ids ``[T_new]`` and 2-D outputs ``[T_new, ·]``.
+Positions are taken from the cache length, so a forward after ``cache.crop(L)`` continues at position L.
+
+``aux_hidden`` follows the design (DESIGN.md §3) and ``data_pipeline/capture.py``: the concatenation
+low→mid→high of ``outputs.hidden_states[i]`` for i in ``aux_layer_ids``, in transformers'
+``output_hidden_states`` index convention, where ``hidden_states[i]`` is the INPUT of decoder layer i
+(the convention of vLLM's ``llama_eagle3.py``). Index N (N = number of layers) is the final *normed*
+output in transformers, so valid ids are 0..N-1.
+
+``final_hidden`` (asked per forward, for the MLP speculator) is the input of the model's output
+embedding (lm_head), i.e. the last layer's output AFTER the final norm: what vLLM hands an MLP
+speculator as ``previous_hidden_states``. For Llama/Qwen it equals ``outputs.hidden_states[-1]``
+(tests/test_mlp_speculator.py checks both); it is read with a pre-hook on lm_head only when asked.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from draftsmith.core.aux_layers import check_aux_layer_ids
+from draftsmith.core.cache import KVCache
+
+#: config keys that bound a model's positions, as vLLM's ``_get_and_verify_max_len`` reads them (the smallest wins)
+POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
+                       "max_seq_length", "seq_len")
+
+
+def position_limit(config) -> tuple[str, int] | None:
+    """The most positions a model's config declares: ``(key, value)`` with the key as config.json spells it
+    (GPT-2 ``n_positions``, Llama / OPT ``max_position_embeddings``, MPT ``max_seq_len``); None when it declares
+    none (e.g. BLOOM's ALiBi). Several keys: the smallest, as vLLM (``vllm/config/model.py``)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    stored = c.to_dict()
+    found = [(key, int(stored[key])) for key in POSITION_LIMIT_KEYS if isinstance(stored.get(key), int)]
+    return min(found, key=lambda kv: kv[1]) if found else None
+
+
+def has_learned_positions(model) -> bool:
+    """True when ``model`` holds a learned absolute-position table (GPT-2 / GPT-BigCode ``wpe``, OPT / BioGPT
+    ``embed_positions``): an ``nn.Embedding`` other than the token embedding with as many rows as the declared
+    position limit (OPT: 2 more). Past it a forward fails with IndexError; RoPE and ALiBi models have no such
+    table and run past their declared limit (untrained there)."""
+    limit = position_limit(model.config)
+    if limit is None:
+        return False
+    tokens = model.get_input_embeddings()
+    return any(isinstance(m, torch.nn.Embedding) and m is not tokens and limit[1] <= m.num_embeddings <= limit[1] + 2
+               for m in model.modules())
+
+
+@dataclass
+class TargetStep:
+    """What one target forward over ``T_new`` tokens returns.
+
+    Attributes:
+        logits: ``[T_new, V]`` float32; row t is the next-token logits after reading token t.
+        aux_hidden: ``[T_new, len(aux_layer_ids) * H]`` (``[T_new, 3H]`` for EAGLE-3) in the model's
+            dtype, low→mid→high; ``None`` when the target was built without ``aux_layer_ids``.
+        final_hidden: ``[T_new, H]`` in the model's dtype, the lm_head input (post final norm) of each row;
+            ``None`` unless the forward was asked for it (``final_hidden=True``).
+    """
+
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor | None = None
+    final_hidden: torch.Tensor | None = None
+
+
+class TargetModel:
+    """A transformers causal LM + (optional) tokenizer + the aux layers an EAGLE-3 proposer reads.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` in eval mode (it is not copied or modified).
+        tokenizer: kept for callers (stop strings, chat templates); unused by ``forward``.
+        aux_layer_ids: HF ``output_hidden_states`` indices, strictly ascending, each in 0..N-1; ``None`` skips
+            hidden-state output (cheaper) and makes ``TargetStep.aux_hidden`` None.
+
+    Attributes:
+        position_limit: ``(config key, positions)`` the model declares (``position_limit``), or None.
+        learned_positions: True when the model has a learned position table (``has_learned_positions``): no
+            forward may read a position >= ``position_limit``.
+
+    Raises:
+        ValueError: an aux layer id is outside 0..N-1 or repeated, or the ids are not ascending.
+    """
+
+    def __init__(self, model, tokenizer=None, aux_layer_ids: Sequence[int] | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.config = model.config.get_text_config()
+        n = int(self.config.num_hidden_layers)
+        if aux_layer_ids is not None:
+            aux_layer_ids = check_aux_layer_ids(aux_layer_ids, n)
+        self.aux_layer_ids: tuple[int, ...] | None = aux_layer_ids
+        self.position_limit = position_limit(self.config)
+        self.learned_positions = has_learned_positions(model)
+
+    @property
+    def vocab_size(self) -> int:
+        """V: rows of the output embedding (the logits' last dimension)."""
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def device(self) -> torch.device:
+        """Device of the model's parameters; inputs are moved there."""
+        return next(self.model.parameters()).device
+
+    def new_cache(self) -> KVCache:
+        """An empty KV cache for one sequence of this model."""
+        return KVCache(self.model.config)
+
+    @torch.no_grad()   # not inference_mode: an EAGLE head may reuse aux_hidden in autograd-aware code
+    def forward(self, input_ids: torch.Tensor, cache: KVCache, final_hidden: bool = False) -> TargetStep:
+        """Read ``input_ids`` ``[T_new]`` (int64) at positions ``cache.length ..`` and extend ``cache``.
+
+        ``final_hidden``: also return the lm_head input ``[T_new, H]`` (no extra forward work: a pre-hook
+        on the output embedding keeps its input).
+
+        Returns:
+            ``TargetStep`` with logits ``[T_new, V]`` float32, aux_hidden ``[T_new, 3H]`` or None,
+            final_hidden ``[T_new, H]`` or None.
+
+        Raises:
+            ValueError: ``input_ids`` is not a non-empty 1-D tensor (the runtime decodes one sequence).
+        """
+        input_ids = torch.as_tensor(input_ids, dtype=torch.long)
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D tensor [T_new], got shape {tuple(input_ids.shape)}")
+        device = self.device
+        start = cache.length
+        positions = torch.arange(start, start + input_ids.numel(), device=device)
+        lm_head_inputs: list[torch.Tensor] = []
+        hook = (self.model.get_output_embeddings().register_forward_pre_hook(
+            lambda _module, args: lm_head_inputs.append(args[0])) if final_hidden else None)
+        try:
+            out = self.model(input_ids=input_ids.to(device)[None], position_ids=positions[None],
+                             output_hidden_states=self.aux_layer_ids is not None, **cache.model_kwargs())
+        finally:
+            if hook is not None:
+                hook.remove()
+        if cache.length != start + input_ids.numel():
+            raise RuntimeError(f"{type(self.model).__name__} did not extend the KV cache ({start} -> {cache.length} "
+                               f"tokens after reading {input_ids.numel()}): this transformers release ignores the "
+                               f"`cache=` argument; install transformers>=5.24 (pyproject.toml)")
+        aux = None
+        if self.aux_layer_ids is not None:
+            aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)   # [T_new, 3H]
+        final = None
+        if final_hidden:
+            if len(lm_head_inputs) != 1 or lm_head_inputs[0].shape[:2] != (1, input_ids.numel()):
+                raise RuntimeError(f"{type(self.model).__name__}: expected one lm_head call over all "
+                                   f"{input_ids.numel()} rows, saw {[tuple(x.shape) for x in lm_head_inputs]}; "
+                                   "final_hidden needs a model whose forward applies its output embedding once "
+                                   "to every position")
+            final = lm_head_inputs[0][0]                                                     # [T_new, H]
+        return TargetStep(logits=out.logits[0].float(), aux_hidden=aux, final_hidden=final)
+
+
+def resolve_max_model_len(limit: tuple[str, int] | None, requested: int | None) -> int:
+    """max_model_len: ``requested``, at most (and by default) the target's declared position limit ``limit``
+    (``target.position_limit``: ``(config key, positions)``).
+
+    Raises:
+        ValueError: ``requested`` outside 1..limit, or missing when the target declares no limit.
+    """
+    if limit is None:
+        if requested is None or requested < 1:
+            raise ValueError(f"the target's config declares no position limit (none of "
+                             f"{', '.join(POSITION_LIMIT_KEYS)}): pass max_model_len (--max-model-len N)")
+        return int(requested)
+    key, n = limit
+    if requested is not None and not 0 < requested <= n:
+        raise ValueError(f"max_model_len must be in 1..{n} (the target's {key}), got {requested}")
+    return int(requested or n)

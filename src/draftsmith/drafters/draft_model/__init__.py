@@ -1,0 +1,1 @@
+"""draftsmith.drafters.draft_model"""

@@ -1,0 +1,165 @@
+"""``draftsmith bench``'s settings, command line and checks (torch-free: the CLI refuses bad arguments, missing
+models and heads before torch is imported). ``evaluation.bench`` runs the benchmark."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith import arguments as arg
+from draftsmith import drafters, reference
+from draftsmith.drafters.speculative import recorded_head_type
+from draftsmith.reference import TASK_NAMES
+from draftsmith.sources import ModelSourceError, check_head_dir, check_model_source
+
+BASELINE = "none"
+
+
+HF_BASELINE = "hf:plain"
+
+
+@dataclass
+class BenchConfig:
+    """What ``draftsmith bench`` measures.
+
+    Attributes:
+        target: the target's name or path (``reference`` = the embedded one); its tokenizer renders prompts.
+        methods: in-process servers to start: 'none' (no speculation) and drafter names; None = 'none', the
+            head's drafter (when ``head`` is an export) and every drafter that needs no trained export.
+        urls: running servers to measure instead of starting any (their /v1/models names the method).
+        k: num_speculative_tokens. head: an exported drafter directory (the row of its method).
+        draft_model: the model of drafters that draft with a plain causal LM, and the HF assistant.
+        prompt_lookup_min, prompt_lookup_max: n-gram lookup bounds (and HF's max_matching_ngram_size).
+        num_prompts, tasks: prompts taken round robin from these held-out tasks.
+        max_tokens: completion length asked per request. concurrency: requests in flight per server.
+        rounds: repetitions (interleaved across methods); throughput is the median over rounds.
+        threads: ``torch.set_num_threads`` for the whole run. dtype, device: of the in-process target.
+        max_model_len: the in-process engines' limit (memory plan). hf_peer: also run HF assisted generation.
+        out: directory for report.json, table.md, bench.png.
+    """
+
+    target: str = "reference"
+    methods: list[str] | None = None
+    urls: list[str] = field(default_factory=list)
+    k: int = 5
+    head: str | None = "runs/reference-eagle3/head"
+    draft_model: str = "reference-draft"
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    num_prompts: int = 8
+    tasks: list[str] = field(default_factory=lambda: list(TASK_NAMES))
+    max_tokens: int = 64
+    concurrency: int = 1
+    rounds: int = 3
+    threads: int = 2
+    dtype: str = "float32"
+    device: str = "cpu"
+    max_model_len: int | None = None
+    hf_peer: bool = False
+    out: str = "runs/bench"
+
+
+def default_methods(cfg: BenchConfig) -> list[str]:
+    """'none', the head's drafter (when ``cfg.head`` is an export) and every drafter needing no trained export."""
+    head_type = recorded_head_type(cfg.head) if cfg.head else None
+    rows = [BASELINE] + ([head_type] if head_type else [])
+    for name in drafters.names():
+        rules = drafters.config_module(name).RULES
+        if name not in rows and (not rules.needs_model or rules.model_kind == "model"):
+            rows.append(name)
+    return rows
+
+
+def speculative_config(method: str, cfg: BenchConfig) -> dict | None:
+    """The vLLM-style JSON for a method name ('none' -> None): the head when it is that drafter's export, else
+    ``cfg.draft_model`` for drafters of a plain causal LM; the drafter's own keys from the bench's flags.
+
+    Raises FileNotFoundError for a drafter that needs an export ``cfg.head`` is not; ValueError for an unknown
+    method."""
+    if method == BASELINE:
+        return None
+    drafters.check_name(method, "bench method")
+    rules = drafters.config_module(method).RULES
+    spec = {"method": method, "num_speculative_tokens": cfg.k,
+            **{key: getattr(cfg, key) for key in rules.options if getattr(cfg, key, None) is not None}}
+    if not rules.needs_model:
+        return spec
+    if cfg.head and recorded_head_type(cfg.head) == method:
+        return {**spec, "model": cfg.head}
+    if rules.model_kind == "model":
+        return {**spec, "model": cfg.draft_model}
+    raise FileNotFoundError(f"method {method} needs its exported directory (--head), got {cfg.head!r}; train one "
+                            f"(draftsmith train) or leave {method} out of --methods")
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The bench's arguments (``draftsmith bench``); values
+    are checked by ``draftsmith.arguments`` types at parse time, the rest by ``check_config``."""
+
+    d = BenchConfig()
+    p = parser or arg.ArgumentParser(prog="draftsmith bench",
+                                     description="serving benchmark with vs without speculation")
+    p.add_argument("--target", default=d.target)
+    p.add_argument("--methods", nargs="+", default=d.methods, choices=[BASELINE, *drafters.names()],
+                   help="servers to start: none (no speculation) and drafters (default: none, the head's drafter and "
+                        "every drafter needing no trained export)")
+    p.add_argument("--url", dest="urls", action="append", default=[], type=arg.url,
+                   help="a running server (repeatable)")
+    p.add_argument("--k", type=arg.positive_int, default=d.k)
+    p.add_argument("--head", default=d.head, help="exported EAGLE-3 head directory")
+    p.add_argument("--draft-model", default=d.draft_model)
+    p.add_argument("--prompt-lookup-min", type=arg.positive_int, default=d.prompt_lookup_min)
+    p.add_argument("--prompt-lookup-max", type=arg.positive_int, default=d.prompt_lookup_max)
+    p.add_argument("--num-prompts", type=arg.positive_int, default=d.num_prompts)
+    p.add_argument("--tasks", nargs="+", default=d.tasks, choices=TASK_NAMES)
+    p.add_argument("--max-tokens", type=arg.positive_int, default=d.max_tokens)
+    p.add_argument("--concurrency", type=arg.positive_int, default=d.concurrency)
+    p.add_argument("--rounds", type=arg.positive_int, default=d.rounds)
+    p.add_argument("--threads", type=arg.positive_int, default=d.threads)
+    p.add_argument("--dtype", type=arg.dtype, default=d.dtype, help=", ".join(arg.DTYPE_NAMES))
+    p.add_argument("--device", default=d.device)
+    p.add_argument("--max-model-len", type=arg.positive_int, default=d.max_model_len)
+    p.add_argument("--hf-peer", action="store_true", help="also run transformers assisted generation")
+    p.add_argument("--out", default=d.out)
+    return p
+
+
+def check_config(cfg: BenchConfig) -> None:
+    """Refuse, before torch is imported, what would fail only after the target is loaded: a target, head or
+    draft model that is missing (``draftsmith.sources``), lookup bounds in the wrong order, more prompts than
+    the tasks hold, an ``out`` that is a file.
+
+    Raises:
+        ModelSourceError (an OSError): a model or head. ValueError: the other values.
+    """
+
+    if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
+        raise ValueError(f"--prompt-lookup-min {cfg.prompt_lookup_min} > --prompt-lookup-max {cfg.prompt_lookup_max}; "
+                         f"pass min <= max")
+    sizes = [sum(1 for _ in (reference.TASKS_DIR / f"{t}.jsonl").open()) for t in cfg.tasks]
+    available = next(i for i in range(sum(sizes) + 1)                 # prompt i: task i % n, record i // n
+                     if i == sum(sizes) or i // len(sizes) >= sizes[i % len(sizes)])
+    if cfg.num_prompts > available:
+        raise ValueError(f"--num-prompts {cfg.num_prompts}: tasks {', '.join(cfg.tasks)} give {available} prompts "
+                         f"round robin; pass --num-prompts <= {available} or more --tasks")
+    if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
+        raise ValueError(f"--out {cfg.out!r} is a file; pass a directory for report.json, table.md and bench.png")
+    check_model_source(cfg.target, role="target")
+    methods = [] if cfg.urls else (cfg.methods or default_methods(cfg))
+    exports = [m for m in methods if m != BASELINE and drafters.config_module(m).RULES.model_kind == "export"
+               and drafters.config_module(m).RULES.needs_model]
+    if exports:
+        if not cfg.head:
+            raise ModelSourceError(f"method {exports[0]} needs its exported directory (--head DIR); train one "
+                                   f"(draftsmith train) or leave {exports[0]} out of --methods")
+        check_head_dir(cfg.head, role=f"--head (method {exports[0]})",
+                       hint=f"train one (draftsmith train RECIPE) or leave {exports[0]} out of --methods")
+    plain_lm = [m for m in methods if m != BASELINE and drafters.config_module(m).RULES.model_kind == "model"]
+    if cfg.draft_model and (cfg.hf_peer or plain_lm):
+        check_model_source(cfg.draft_model, role="--draft-model")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """A ``BenchConfig`` from parsed ``build_parser`` arguments."""
+    names = {f for f in BenchConfig.__dataclass_fields__}
+    return BenchConfig(**{k: v for k, v in vars(args).items() if k in names})

@@ -1,0 +1,21 @@
+"""The recipe's ``eval`` section (torch-free: checked before any model loads)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from draftsmith.reference import TASK_NAMES
+
+
+@dataclass
+class EvalConfig:
+    """What ``draftsmith eval`` measures: the recipe's own drafter (its ``drafter`` section's k) and the rows
+    named here, each against plain decoding on the same prompts."""
+
+    tasks: list[str] = field(default_factory=lambda: list(TASK_NAMES))
+    #: further rows: label -> speculative config (``{method, model, num_speculative_tokens, ...}`` as
+    #: ``--speculative-config``; k defaults to the recipe drafter's, so rows compare at the same k), e.g.
+    #: ``ngram: {method: ngram, prompt_lookup_min: 2}``, ``distilled: {method: draft_model, model: DIR}``
+    drafters: dict[str, dict] = field(default_factory=dict)
+    prompts_per_task: int | None = None     #: None = the whole task
+    max_new_tokens: int = 128
+    threads: int | None = 2                 #: torch CPU threads while timing

@@ -1,0 +1,176 @@
+"""Acceptance evaluation on held-out tasks: every drafter against plain decoding, in one run.
+
+For each task and prompt, plain greedy decoding runs first, then each method on the same prompt
+(interleaved, so machine noise hits all of them alike). Per task x method it reports:
+  acceptance rate  = accepted draft tokens / draft tokens
+  τ                = 1 + accepted / drafts (mean acceptance length, tokens per verify step)
+  accepted per position i = drafts whose i-th token was accepted / drafts
+  tokens/s, and speedup = plain decode seconds / method seconds (same prompts, same run)
+  draft cost per token = seconds spent inside the proposer (start, propose, accept: every drafter
+      forward, the prefix steps of a head included; the decode loop's ``VerifyStep.draft_s``) / draft
+      tokens proposed, in milliseconds; next to the plain decode's milliseconds per token it says what a
+      drafted token costs
+With temperature 0 every method must reproduce the plain output token for token; a mismatch is
+counted and reported (it would be a bug). Metric definitions follow vLLM's spec-decode metrics.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from tqdm.auto import tqdm
+
+from draftsmith.core.generate import GenerationConfig, SpecStats, VerifyStep, generate_plain, generate_speculative
+from draftsmith.core.proposer import Proposer
+from draftsmith.core.stops import stop_token_ids
+from draftsmith.core.target import TargetModel
+from draftsmith.data_pipeline.chat import prompt_ids
+from draftsmith.evaluation.config import EvalConfig
+
+
+@dataclass
+class EvalRow:
+    """One row of the table: a factory of fresh greedy proposers, the k it drafts per step, and the target
+    wrapper exposing the hidden states that drafter reads (``serve.engine.Engine`` builds all three)."""
+
+    make_proposer: Callable[[], Proposer]
+    k: int
+    target: TargetModel
+
+
+@dataclass
+class MethodResult:
+    """Totals of one method on one task."""
+
+    stats: SpecStats
+    seconds: float = 0.0
+    draft_seconds: float = 0.0
+    new_tokens: int = 0
+    mismatches: int = 0
+
+    def row(self, plain_seconds: float) -> dict:
+        s = self.stats
+        drafts = max(1, s.num_drafts)
+        return {"tau": s.acceptance_length, "acceptance_rate": s.acceptance_rate,
+                "accepted_per_pos": [a / drafts for a in s.accepted_per_pos],
+                "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
+                "num_accepted_tokens": s.num_accepted_tokens, "new_tokens": self.new_tokens,
+                "seconds": self.seconds, "tokens_per_s": self.new_tokens / max(self.seconds, 1e-9),
+                "speedup": plain_seconds / max(self.seconds, 1e-9), "greedy_mismatches": self.mismatches,
+                "draft_seconds": self.draft_seconds,
+                "draft_ms_per_token": 1000 * self.draft_seconds / s.num_draft_tokens if s.num_draft_tokens else None}
+
+
+def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[str, EvalRow], cfg: EvalConfig) -> dict:
+    """Run plain and speculative greedy decoding on every prompt; returns the report dict.
+
+    ``rows`` maps a row label to its ``EvalRow``; generation stops at ``core.stops.stop_token_ids`` (what
+    serving stops on) or ``cfg.max_new_tokens``. The time spent in each drafter comes from the decode loop's
+    observer hook (``VerifyStep.draft_s``). Report layout: ``{"config", "tasks": {task: {"plain": {...},
+    label: row}}}`` (see ``MethodResult.row``); ``config.k`` is the largest k, ``config.ks`` each row's.
+
+    Raises:
+        ValueError: before anything runs, when a prompt + ``cfg.max_new_tokens`` exceeds the target's position
+            limit (the prompts are named)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    plain_target = TargetModel(target_model, tokenizer)
+    gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=stop_token_ids(target_model, tokenizer))
+    ks = {label: row.k for label, row in rows.items()}
+    report = {"config": {"k": max(ks.values(), default=0), "ks": ks, "max_new_tokens": cfg.max_new_tokens,
+                         "methods": list(rows)}, "tasks": {}}
+    tasks = {task: records[: cfg.prompts_per_task] if cfg.prompts_per_task else records
+             for task, records in tasks.items()}
+    prompts = {task: [prompt_ids(tokenizer, rec["messages"]) for rec in records] for task, records in tasks.items()}
+    _check_lengths(tasks, prompts, cfg.max_new_tokens, plain_target.position_limit)
+    for task, records in tasks.items():
+        plain_seconds, plain_tokens = 0.0, 0
+        results = {label: MethodResult(SpecStats(k=row.k)) for label, row in rows.items()}
+        for ids in tqdm(prompts[task], desc=f"eval {task}"):
+            t0 = time.perf_counter()
+            plain = generate_plain(plain_target, ids, gen)
+            plain_seconds += time.perf_counter() - t0
+            plain_tokens += len(plain.tokens)
+            for label, row in rows.items():
+                r = results[label]
+
+                def on_step(step: VerifyStep, r=r) -> None:
+                    r.draft_seconds += step.draft_s
+
+                t0 = time.perf_counter()
+                out = generate_speculative(row.target, row.make_proposer(), ids, gen, row.k, on_step=on_step)
+                r.seconds += time.perf_counter() - t0
+                r.new_tokens += len(out.tokens)
+                r.stats = r.stats.merge(out.stats)
+                r.mismatches += int(out.tokens != plain.tokens)
+        report["tasks"][task] = {
+            "prompts": len(records),
+            "plain": {"new_tokens": plain_tokens, "seconds": plain_seconds,
+                      "tokens_per_s": plain_tokens / max(plain_seconds, 1e-9),
+                      "ms_per_token": 1000 * plain_seconds / max(plain_tokens, 1)},
+            **{label: r.row(plain_seconds) for label, r in results.items()},
+        }
+    return report
+
+
+def _check_lengths(tasks: dict[str, list[dict]], prompts: dict[str, list[list[int]]], max_new_tokens: int,
+                   limit: tuple[str, int] | None) -> None:
+    """Refuse, before anything runs, prompts whose length + max_new_tokens exceeds the target's position limit
+    (``TargetModel.position_limit``), naming them (task/id) and the fix."""
+    if limit is None:
+        return
+    key, n = limit
+    long = [(f"{task}/{rec.get('id', i)}", len(ids)) for task, records in tasks.items()
+            for i, (rec, ids) in enumerate(zip(records, prompts[task])) if len(ids) + max_new_tokens > n]
+    if long:
+        longest = max(length for _, length in long)
+        names = ", ".join(f"{name} ({length} tokens)" for name, length in long[:5])
+        fix = (f"lower eval.max_new_tokens to {n - longest} or leave them out" if longest < n
+               else f"leave them out (the longest alone has {longest} tokens)")
+        raise ValueError(f"{len(long)} eval prompt(s) + max_new_tokens={max_new_tokens} exceed the target's {key} "
+                         f"({n}): {names}{' ...' if len(long) > 5 else ''}; {fix}")
+
+
+def format_table(report: dict) -> str:
+    """One text table: task x method with τ, acceptance rate, draft cost (ms per drafted token; the plain
+    row gives the target's ms per decoded token), tokens/s and speedup vs plain."""
+    lines = [f"{'task':<15}{'method':<16}{'tau':>7}{'accept':>9}{'draft ms/tok':>14}{'tok/s':>9}{'speedup':>9}"]
+    for task, rows in report["tasks"].items():
+        plain = rows["plain"]
+        ms = plain.get("ms_per_token")
+        lines.append(f"{task:<15}{'plain':<16}{'':>7}{'':>9}{f'({ms:.2f})' if ms is not None else '':>14}"
+                     f"{plain['tokens_per_s']:>9.1f}{1.0:>8.2f}x")
+        for method in report["config"]["methods"]:
+            r = rows[method]
+            cost = r.get("draft_ms_per_token")
+            lines.append(f"{'':<15}{method:<16}{r['tau']:>7.2f}{r['acceptance_rate']:>8.1%}"
+                         f"{f'{cost:.2f}' if cost is not None else '-':>14}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x")
+    return "\n".join(lines)
+
+
+def plot_acceptance(report: dict, path) -> None:
+    """PNG of acceptance per draft position (one panel per task, one line per method)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = list(report["tasks"])
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4 * len(tasks), 3.4), sharey=True, squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for method in report["config"]["methods"]:
+            per_pos = report["tasks"][task][method]["accepted_per_pos"]
+            ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o",
+                    label=f"{method} (τ={report['tasks'][task][method]['tau']:.2f})")
+        ax.set_title(task)
+        ax.set_xlabel("draft position")
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("accepted / drafts")
+    fig.suptitle(f"Acceptance per position, k={report['config']['k']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

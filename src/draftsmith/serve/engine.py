@@ -1,0 +1,250 @@
+"""The serving engine: one target, its tokenizer, an optional speculative config; one request at a time.
+
+    engine = Engine.from_pretrained("reference", '{"method": "ngram", "num_speculative_tokens": 4}')
+    result = engine.generate(engine.tokenizer("def f(").input_ids, GenerationConfig(max_new_tokens=32))
+    result.text, result.tokens, result.finish_reason, result.stats
+
+The speculative config takes vLLM's ``--speculative-config`` keys (``drafters.speculative``; each drafter's
+further keys in its ``config.py``); any other key is refused.
+
+Startup:
+  0. ``from_pretrained`` only: the drafter's checks that need no weights (``Drafter.check_before_loading``:
+     a draft model's position table), then the memory plan (``serve/memory.py``) of weights + KV caches of the
+     target and the drafter for ``max_model_len``, from their configs, before loading anything; it stops with
+     advice (``MemoryPlanError``) when they exceed the device's free memory;
+  1. parse the speculative config (unknown keys, bad values -> ValueError);
+  2. the drafter loads itself (``Drafter.load``): checks its export's metadata against the target and
+     tokenizer (a mismatch raises ``HeadMismatchError``: the engine does not start), loads its weights ONCE on
+     the target's device, refuses a k it cannot draft and warns once past its trained depth; the target is
+     wrapped with the hidden-state layers the drafter reads;
+  3. max_model_len (default: the target's declared position limit) must fit what the drafter reads
+     (``LoadedDrafter.check_max_model_len``: a draft's learned position table refuses, RoPE only warns);
+  4. per request: a fresh proposer from the loaded drafter (proposers hold per-sequence state).
+
+Requests are served one at a time: the runtime's unit is one sequence (batch size 1), so ``generate``
+holds a lock for the whole sequence and concurrent callers queue behind it (the server adds a
+single-worker thread as its FIFO queue). Stop ids are ``core.stops.stop_token_ids`` (as eval's); stop strings
+are found on the decoded text that is final (``core.stops.TextStream``), token by token whatever the chunking,
+so plain and speculative decoding stop at the same token. Spec-decode counters come from the decode loop's
+observer hook (``on_step``), so they count every verify step even when a stop string ends generation.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+from transformers import AutoConfig
+
+from draftsmith import drafters, reference
+from draftsmith.core.generate import (
+    GenerationConfig,
+    GenerationResult,
+    SpecStats,
+    VerifyStep,
+    generate_plain,
+    generate_speculative,
+)
+from draftsmith.core.proposer import Proposer
+from draftsmith.core.stops import StopStringFound, TextStream, stop_token_ids
+from draftsmith.core.target import TargetModel, resolve_max_model_len
+from draftsmith.drafters.base import Sampling, draft_seed
+from draftsmith.drafters.speculative import SpeculativeConfig
+from draftsmith.models import load_causal_lm, resolve_model_dtype
+from draftsmith.serve.memory import plan_for_engine
+from draftsmith.serve.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot serve as asked (the server answers 4xx).
+
+    Attributes:
+        code: a short machine-readable reason ('context_length_exceeded', 'invalid_prompt', ...).
+        param: the request field at fault, when there is one.
+    """
+
+    def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
+        super().__init__(message)
+        self.code, self.param = code, param
+
+
+class RequestCancelled(Exception):
+    """Raised by ``Engine.generate`` when its ``cancel`` event was set (e.g. the client went away)."""
+
+
+@dataclass
+class EngineResult(GenerationResult):
+    """A ``GenerationResult`` (tokens cut at a stop string) plus what a server reports.
+
+    Attributes:
+        text: the decoded completion (special tokens skipped), cut before the first stop string.
+        prompt_tokens: prompt length. ttft_s: arrival to first token (None when no token was made).
+        latency_s: arrival to the end of generation.
+    """
+
+    text: str = ""
+    prompt_tokens: int = 0
+    ttft_s: float | None = None
+    latency_s: float = 0.0
+
+
+class Engine:
+    """Serves one target (batch size 1), with or without speculation.
+
+    Args:
+        model: a transformers causal LM in eval mode (on its serving device).
+        tokenizer: the target's tokenizer (decoding, chat template, stop strings).
+        speculative_config: a ``SpeculativeConfig``, its dict or JSON string, or None (plain decoding).
+        model_name: the name clients send as ``model`` (``/v1/models``).
+        allow_mismatch: target identity fields a checked export may differ in (``export.check``; CLI
+            ``--allow-mismatch``).
+        max_model_len: longest prompt + completion served, in tokens (default and upper bound: the target's
+            declared position limit, ``max_position_embeddings`` or ``n_positions``; as vLLM's ``--max-model-len``).
+
+    Attributes:
+        drafter: the ``LoadedDrafter`` (None without speculation). target: the wrapped target.
+
+    Raises:
+        ValueError: a bad speculative config or max_model_len, or whatever the drafter refuses while loading
+            (``Drafter.load``; ``HeadMismatchError``, a ValueError, for an export that does not fit the target).
+    """
+
+    def __init__(self, model, tokenizer, speculative_config=None, *, model_name: str = "draftsmith",
+                 allow_mismatch: Sequence[str] = (), max_model_len: int | None = None):
+        self.spec = SpeculativeConfig.parse(speculative_config)
+        self.tokenizer, self.model_name = tokenizer, model_name
+        self.drafter = (drafters.get(self.spec.method).load(self.spec, model, tokenizer, allow_mismatch)
+                        if self.spec is not None else None)
+        aux_layer_ids = self.drafter.aux_layer_ids if self.drafter is not None else None
+        self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
+        self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
+        self.max_model_len = resolve_max_model_len(self.target.position_limit, max_model_len)
+        if self.drafter is not None:
+            self.drafter.check_max_model_len(self.max_model_len)
+        self.eos_token_ids = stop_token_ids(model, tokenizer)
+        self.metrics = EngineMetrics(self.k)
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_pretrained(cls, target: str, speculative_config=None, *, revision: str | None = None,
+                        dtype: str = "float32", device: str | None = None, served_model_name: str | None = None,
+                        allow_mismatch: Sequence[str] = (), max_model_len: int | None = None,
+                        check_memory: bool = True) -> "Engine":
+        """Load ``target`` (a Hub id, a folder, or ``reference``) on ``device`` (default: cuda when
+        available) and build the engine; ``served_model_name`` defaults to ``target``.
+
+        Before loading, the drafter checks what it can from configs (``Drafter.check_before_loading``), and
+        ``serve.memory.plan_for_engine`` estimates weights + KV caches of the target and the drafter for
+        ``max_model_len`` and compares them with the device's free memory (``check_memory=False`` skips it).
+
+        Raises:
+            MemoryPlanError (a ValueError): the plan does not fit; the message says what to change.
+            ValueError: as ``Engine`` (a draft's learned position table shorter than max_model_len, ...).
+        """
+
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = resolve_model_dtype(target, dtype, revision, device)        # 'auto' -> what the device runs fast
+        spec = SpeculativeConfig.parse(speculative_config)
+        if spec is not None:
+            target_config = AutoConfig.from_pretrained(reference.resolve(target), revision=revision)
+            drafters.get(spec.method).check_before_loading(spec, target_config, max_model_len)
+        if check_memory:
+            plan = plan_for_engine(target, spec, dtype=dtype, device=device, max_model_len=max_model_len,
+                                   revision=revision)
+            logger.info("%s", plan.summary())
+            plan.check()
+        model, tokenizer = load_causal_lm(target, revision=revision, dtype=dtype, role="target")
+        model.to(device)
+        return cls(model, tokenizer, spec, model_name=served_model_name or target, allow_mismatch=allow_mismatch,
+                   max_model_len=max_model_len)
+
+    def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
+        """Refuse (``RequestError``) an empty prompt, ids outside the vocabulary, or prompt + max_new_tokens
+        beyond ``max_model_len``."""
+        n = len(prompt_ids)
+        if n == 0:
+            raise RequestError("the prompt is empty (0 tokens)", "invalid_prompt", "prompt")
+        vocab_size = self.target.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                               "invalid_prompt", "prompt")
+        if n + max_new_tokens > self.max_model_len:
+            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                               f"{n + max_new_tokens} were requested ({n} in the prompt, {max_new_tokens} for the "
+                               f"completion); shorten the prompt or lower max_tokens",
+                               "context_length_exceeded", "max_tokens" if n < self.max_model_len else "prompt")
+
+    def new_proposer(self, cfg: GenerationConfig) -> Proposer | None:
+        """A fresh proposer for one sequence, drafting with the request's settings (None: plain decoding)."""
+        if self.drafter is None:
+            return None
+        return self.drafter.new_proposer(Sampling(cfg.temperature, cfg.top_k, cfg.top_p, draft_seed(cfg.seed)))
+
+    def generate(self, prompt_ids: Sequence[int], cfg: GenerationConfig, *, stop: Sequence[str] = (),
+                 on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
+                 arrival: float | None = None) -> EngineResult:
+        """Generate one sequence (waiting for the requests ahead of it), record its metrics.
+
+        Args:
+            prompt_ids: ``[T]`` token ids. cfg: decoding settings (EOS ids are the caller's to set;
+                ``self.eos_token_ids`` are the model's).
+            stop: stop strings, found on the decoded text. on_text: called with each new piece of text.
+            cancel: when set, generation stops at the next chunk with ``RequestCancelled``.
+            arrival: ``time.perf_counter()`` when the request arrived (TTFT and latency count from it;
+                default: now).
+
+        Raises:
+            RequestError: the prompt fails ``check_prompt``. RequestCancelled: ``cancel`` was set.
+        """
+        arrival = time.perf_counter() if arrival is None else arrival
+        prompt = [int(t) for t in prompt_ids]
+        self.check_prompt(prompt, cfg.max_new_tokens)
+        with self._lock:
+            proposer = self.new_proposer(cfg)
+            stats = SpecStats(k=self.k) if proposer is not None else None
+            steps = 0
+            text = TextStream(self.tokenizer, stop, on_text)
+            first_token_at = None
+
+            def on_step(step: VerifyStep) -> None:        # counted before the step's tokens can stop generation
+                nonlocal steps
+                steps += 1
+                stats.record(step.proposed, step.accepted)
+
+            def on_tokens(chunk: list[int]) -> None:
+                nonlocal first_token_at
+                if first_token_at is None:
+                    first_token_at = time.perf_counter()
+                if cancel is not None and cancel.is_set():
+                    raise RequestCancelled
+                text.add(chunk)
+
+            try:
+                if proposer is None:
+                    result = generate_plain(self.target, prompt, cfg, on_tokens=on_tokens)
+                else:
+                    result = generate_speculative(self.target, proposer, prompt, cfg, self.k, on_tokens=on_tokens,
+                                                  on_step=on_step)
+                finish_reason, forwards = result.finish_reason, result.num_target_forwards
+            except StopStringFound:
+                finish_reason = "stop"
+                forwards = 1 + steps if proposer is not None else len(text.tokens)
+            finally:
+                if stats is not None:
+                    self.metrics.record_spec(stats)
+            text.finish()
+            if text.stopped:                  # found in the tail that only the end of generation made final
+                finish_reason = "stop"
+        latency = time.perf_counter() - arrival
+        ttft = first_token_at - arrival if first_token_at is not None else None
+        self.metrics.record_request(len(prompt), len(text.tokens), finish_reason, ttft, latency)
+        return EngineResult(tokens=text.tokens, finish_reason=finish_reason,
+                            stats=stats, num_target_forwards=forwards,
+                            text=text.text, prompt_tokens=len(prompt), ttft_s=ttft, latency_s=latency)

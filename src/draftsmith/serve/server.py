@@ -1,0 +1,365 @@
+"""OpenAI-compatible HTTP server around an ``Engine``: completions, chat completions, SSE streaming, metrics.
+
+    draftsmith serve --target reference --speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'
+    curl 127.0.0.1:8000/v1/completions -d '{"model": "reference", "prompt": "def f(", "max_tokens": 32}'
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true``: SSE
+``data: {...}`` chunks, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus text). Request fields: model, prompt (a string, one-string list or token ids) /
+messages, max_tokens (chat: or max_completion_tokens), temperature, top_p, top_k (extension), seed,
+stop (string or list), stop_token_ids (extension), n (must be 1), stream, stream_options.include_usage.
+Parameters that would change the output but are not implemented (logprobs, echo, best_of, penalties,
+logit_bias, suffix, tools) are refused; other unknown fields are ignored, as vLLM does.
+Defaults follow OpenAI / vLLM: temperature 1.0, max_tokens = what is left of the context.
+
+A bad request gets a 4xx JSON body ``{"error": {"message", "type", "code", "param"}}``. Generation runs
+on ONE worker thread, which is the request queue (batch size 1: ``engine.py``); the event loop stays
+free for /health and /metrics. A streaming client that disconnects cancels its generation.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from functools import partial
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from draftsmith.core.generate import GenerationConfig
+from draftsmith.serve.engine import Engine, EngineResult, RequestError
+
+# request fields that would change the output but are not implemented, with their no-op values
+UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
+               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
+               "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"})}
+
+
+class APIError(Exception):
+    """An error answered as ``{"error": {...}}`` with ``status``."""
+
+    def __init__(self, status: int, message: str, code: str, param: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
+
+
+def _error_response(status: int, message: str, code: str, param: str | None = None,
+                    type: str = "invalid_request_error") -> JSONResponse:
+    return JSONResponse(status_code=status,
+                        content={"error": {"message": message, "type": type, "code": code, "param": param}})
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by both endpoints; strict types (a string is not a number)."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)            # vLLM: -1 or 0 disables
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int] | list[str]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(strict=True, extra="allow")
+    role: str
+    content: str | list[TextPart] | None = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+
+def _check_common(req: _SamplingRequest, engine: Engine) -> None:
+    """Model name, n, and the unsupported parameters."""
+    if req.model is not None and req.model != engine.model_name:
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {engine.model_name!r}",
+                       "model_not_found", "model")
+    if req.n != 1:
+        raise APIError(400, f"n must be 1 (one sequence per request), got {req.n}", "unsupported_parameter", "n")
+    for name, value in (req.model_extra or {}).items():
+        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
+            raise APIError(400, f"{name}={value!r} is not supported by this server", "unsupported_parameter", name)
+
+
+def _generation_config(req: _SamplingRequest, engine: Engine, prompt_ids: list[int], max_tokens: int | None
+                       ) -> GenerationConfig:
+    """Decoding settings; max_tokens defaults to what the context leaves (checked by the engine)."""
+    if max_tokens is None:
+        max_tokens = max(1, engine.max_model_len - len(prompt_ids))
+    try:
+        engine.check_prompt(prompt_ids, max_tokens)
+    except RequestError as e:
+        raise APIError(400, str(e), e.code, e.param) from None
+    top_k = req.top_k if req.top_k and req.top_k > 0 else None
+    return GenerationConfig(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+                            top_k=top_k, top_p=req.top_p, seed=req.seed, eos_token_ids=engine.eos_token_ids,
+                            stop_token_ids=tuple(req.stop_token_ids or ()))
+
+
+def _stops(req: _SamplingRequest) -> tuple[str, ...]:
+    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+
+
+def _completion_prompt(req: CompletionRequest, engine: Engine) -> list[int]:
+    prompt = req.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        if len(prompt) != 1:
+            raise APIError(400, f"one prompt per request (got a list of {len(prompt)})", "unsupported_parameter",
+                           "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return list(engine.tokenizer(prompt).input_ids)
+    return list(prompt)
+
+
+def _chat_prompt(req: ChatCompletionRequest, engine: Engine) -> list[int]:
+    tokenizer = engine.tokenizer
+    if not getattr(tokenizer, "chat_template", None):
+        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
+                       "no_chat_template", "messages")
+    messages = []
+    for m in req.messages:
+        content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
+        messages.append({"role": m.role, "content": content or ""})
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception (e.g. roles must alternate)
+        raise APIError(400, f"the chat template refused the messages: {e}", "invalid_messages", "messages") from None
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def _usage(result: EngineResult) -> dict:
+    n = len(result.tokens)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": n, "total_tokens": result.prompt_tokens + n}
+
+
+def _sse(payload: Any) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def create_app(engine: Engine) -> FastAPI:
+    """The FastAPI app serving ``engine`` (one worker thread runs the generations, in arrival order)."""
+    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftsmith-engine")
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="draftsmith", lifespan=lifespan)
+    app.state.engine = engine
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return _error_response(e.status, e.message, e.code, e.param, e.type)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        problems = []
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+            problems.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+        first = e.errors()[0].get("loc", ()) if e.errors() else ()
+        param = ".".join(str(x) for x in first if x != "body") or None
+        return _error_response(400, "; ".join(problems) or "invalid request", "invalid_request", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return _error_response(e.status_code, str(e.detail), "not_found" if e.status_code == 404 else "http_error")
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        return _error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_error",
+                               type="internal_server_error")
+
+    async def run(prompt_ids, cfg, stop, on_text=None, cancel=None) -> EngineResult:
+        call = partial(engine.generate, prompt_ids, cfg, stop=stop, on_text=on_text, cancel=cancel,
+                       arrival=time.perf_counter())
+        return await asyncio.get_running_loop().run_in_executor(worker, call)
+
+    def stream(prompt_ids, cfg, stop, chunk, first: list | None, include_usage: bool):
+        """SSE body: ``chunk(delta_text, finish_reason)`` payloads, an optional usage chunk, [DONE]."""
+        async def events():
+            loop = asyncio.get_running_loop()
+            queue: asyncio.Queue = asyncio.Queue()
+            cancel = threading.Event()
+            on_text = lambda delta: loop.call_soon_threadsafe(queue.put_nowait, delta)  # noqa: E731
+            job = asyncio.ensure_future(run(prompt_ids, cfg, stop, on_text, cancel))
+
+            def done(task):
+                if not task.cancelled():
+                    task.exception()       # retrieved here, reported below (or dropped: client gone)
+                queue.put_nowait(None)
+            job.add_done_callback(done)
+            try:
+                for payload in first or ():
+                    yield _sse(payload)
+                while (delta := await queue.get()) is not None:
+                    yield _sse(chunk(delta, None))
+                try:
+                    result = job.result()
+                except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
+                    yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "internal_server_error",
+                                          "code": "internal_error", "param": None}})
+                else:
+                    yield _sse(chunk(None, result.finish_reason))
+                    if include_usage:
+                        yield _sse(chunk(None, None, usage=_usage(result)))
+                yield "data: [DONE]\n\n"
+            finally:
+                cancel.set()   # a client that went away stops its generation at the next chunk
+        return StreamingResponse(events(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        _check_common(req, engine)
+        prompt_ids = _completion_prompt(req, engine)
+        cfg = _generation_config(req, engine, prompt_ids, req.max_tokens)
+        rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+        base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
+        if req.stream:
+            def chunk(text, finish_reason, usage=None):
+                if usage is not None:
+                    return base | {"choices": [], "usage": usage}
+                return base | {"choices": [{"index": 0, "text": text or "", "logprobs": None,
+                                            "finish_reason": finish_reason}]}
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return stream(prompt_ids, cfg, _stops(req), chunk, None, include_usage)
+        result = await run(prompt_ids, cfg, _stops(req))
+        return base | {"choices": [{"index": 0, "text": result.text, "logprobs": None,
+                                    "finish_reason": result.finish_reason}], "usage": _usage(result)}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        _check_common(req, engine)
+        prompt_ids = _chat_prompt(req, engine)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        cfg = _generation_config(req, engine, prompt_ids, max_tokens)
+        rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
+
+            def chunk(text, finish_reason, usage=None):
+                if usage is not None:
+                    return base | {"choices": [], "usage": usage}
+                delta = {} if text is None else {"content": text}
+                return base | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                            "finish_reason": finish_reason}]}
+            first = [base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]}]
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return stream(prompt_ids, cfg, _stops(req), chunk, first, include_usage)
+        result = await run(prompt_ids, cfg, _stops(req))
+        return {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                             "logprobs": None, "finish_reason": result.finish_reason}],
+                "usage": _usage(result)}
+
+    @app.get("/v1/models")
+    async def models():
+        spec = engine.spec
+        return {"object": "list", "data": [{
+            "id": engine.model_name, "object": "model", "created": 0, "owned_by": "draftsmith",
+            "max_model_len": engine.max_model_len,
+            "speculative_config": None if spec is None else spec.to_dict()}]}
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type=engine.metrics.content_type)
+
+    return app
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run the server with uvicorn until interrupted (binds 127.0.0.1 unless told otherwise)."""
+    import uvicorn
+
+    uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level)
+
+
+class BackgroundServer:
+    """uvicorn serving an app on a background thread: for tests and the in-process bench.
+
+        with BackgroundServer(create_app(engine)) as server:     # loopback, a free port
+            httpx.get(server.url + "/health")
+
+    Args:
+        app: the ASGI app. host: bind address (127.0.0.1 by default; loopback only unless told otherwise).
+        port: 0 picks a free port (``self.port`` tells which). log_level: uvicorn's.
+        startup_timeout_s: how long ``__enter__`` waits for the server to accept connections.
+
+    Raises:
+        RuntimeError: the server did not start in time (or its thread died).
+    """
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 startup_timeout_s: float = 60.0):
+
+        import uvicorn
+
+        self.socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.socket.bind((host, port))
+        self.host, self.port = host, self.socket.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True,
+                                       name=f"draftsmith-server-{self.port}")
+        self.startup_timeout_s = startup_timeout_s
+
+    @property
+    def url(self) -> str:
+        """``http://host:port`` of the running server."""
+        return f"http://{self.host}:{self.port}"
+
+    def __enter__(self) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + self.startup_timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                self.server.should_exit = True
+                raise RuntimeError(f"the server on {self.url} did not start within {self.startup_timeout_s:.0f} s")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.socket.close()

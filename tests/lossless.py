@@ -1,0 +1,194 @@
+"""The stub target of the losslessness tests and the chi-square helpers they share (``test_lossless_sampling``,
+``test_contract``).
+
+The target is a stub causal LM with an 8-token vocabulary whose next-token logits are a fixed random table
+indexed by the last two tokens (``TrigramLM``). It keeps those tokens in a real transformers ``DynamicCache``
+through ``core/cache.py``, so a wrong rollback changes its outputs. Its exact law of the first ``NEW`` tokens
+after the prompt is a product of table rows, computed here without sampling (``exact_law``). Its config is a
+``LlamaConfig`` and ``word_tokenizer`` gives it a tokenizer, so every drafter's ``example`` can be built for it.
+
+Counts of every adjacent pair of positions (t_i, t_{i+1}) are tested (scipy, cells expecting < 5 pooled) against
+the exact law and against plain-sampling counts (two-sample homogeneity); a test fails when p < ``ALPHA``.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+from scipy.stats import chi2_contingency, chisquare
+from torch import nn
+from transformers import LlamaConfig
+
+from draftsmith.core.generate import SpecStats
+from draftsmith.core.sampling import logits_to_probs
+
+V, H, LAYERS = 8, 16, 8                          # 8 layers: EAGLE-3's default aux layers (2, 4, 5) are distinct
+K, NEW = 3, 5                                    # one verify pass covers t2..t5 when all 3 drafts are accepted
+TRIALS = 2000
+ALPHA = 1e-3
+
+
+class TrigramLM(nn.Module):
+    """Stub causal LM: logits after token x_t are ``table[x_{t-1}, x_t]`` (x_{-1} = 0), for a [V, V, V] table.
+
+    Called like a transformers causal LM by ``TargetModel``: ``model(input_ids=[1, T], position_ids,
+    output_hidden_states, cache=DynamicCache)``. The tokens read so far are stored as the keys of every cache
+    layer, so the previous token comes from the cache (a bad crop shows). ``hidden_states`` (LAYERS + 1 tensors
+    [1, T, H]) are fixed random embeddings of each token per layer, enough to drive an EAGLE-3 head.
+    """
+
+    def __init__(self, table: torch.Tensor, seed: int = 0):
+        super().__init__()
+        self.config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=LAYERS,
+                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                                  max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=None,
+                                  pad_token_id=None, bos_token_id=None)
+        gen = torch.Generator().manual_seed(seed)
+        self.table = table
+        self.embed = nn.Embedding(V, H)
+        self.lm_head = nn.Linear(H, V, bias=False)
+        self.norm = nn.RMSNorm(H)                      # what a draft model warm-starts from (get_decoder().norm)
+        self.config._name_or_path = "trigram-stub"
+        self.layer_states = nn.Parameter(torch.randn(LAYERS + 1, V, H, generator=gen), requires_grad=False)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def get_decoder(self):
+        return self
+
+    def forward(self, input_ids, position_ids=None, output_hidden_states=False, cache=None, use_cache=True):
+        ids = input_ids[0]
+        past = cache.layers[0].keys[0, 0, :, 0].long() if cache.get_seq_length() else ids.new_zeros(1)
+        prev = torch.cat([past[-1:], ids[:-1]])
+        for layer in range(LAYERS):
+            keys = ids.float().view(1, 1, -1, 1)
+            cache.update(keys, keys, layer)
+        hidden = tuple(self.layer_states[i][ids][None] for i in range(LAYERS + 1)) if output_hidden_states else None
+        self.lm_head(self.layer_states[LAYERS][ids][None])   # applied once like a real LM's head: the MLP
+        # speculator reads its input (TargetModel final_hidden); the logits still come from the table
+        return SimpleNamespace(logits=self.table[prev, ids][None], hidden_states=hidden)
+
+
+def _table(seed: int, scale: float = 1.5) -> torch.Tensor:
+    return scale * torch.randn(V, V, V, generator=torch.Generator().manual_seed(seed))
+
+
+TARGET_TABLE = _table(0)
+DRAFT_TABLE = TARGET_TABLE + _table(1, scale=1.0)          # close to the target: drafts accepted often, not always
+
+
+def _greedy_chain(start: list[int], n: int) -> list[int]:
+    seq = list(start)
+    for _ in range(n):
+        seq.append(int(TARGET_TABLE[seq[-2], seq[-1]].argmax()))
+    return seq
+
+
+# every token occurs (n-gram lookup always finds a 1-gram), then the target's greedy chain, which n-gram
+# lookup copies: its drafts are the likeliest tokens, so whole chunks get accepted too
+PROMPT = _greedy_chain(list(range(V)), 10)
+
+
+def exact_law(settings: dict) -> torch.Tensor:
+    """P(t1..t_NEW | PROMPT) as a [V] * NEW tensor, from the table with temperature/top-k/top-p applied."""
+    p = logits_to_probs(TARGET_TABLE, **settings)                  # [V, V, V]: p[a, b] = law of the token after a, b
+    law = p[PROMPT[-2], PROMPT[-1]]                                 # [V]      law of t1
+    law = law[:, None] * p[PROMPT[-1]]                              # [V, V]   law of t1 t2
+    for _ in range(NEW - 2):                                        # [V] * n  times p[t_{n-1}, t_n, t_{n+1}]
+        law = law[..., None] * p.reshape((1,) * (law.dim() - 2) + (V, V, V))
+    return law
+
+def word_tokenizer():
+    """A whitespace word tokenizer of the stub's V tokens ``t0`` .. ``t7``, no special tokens (none ends a
+    sequence: every trial decodes ``NEW`` tokens)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.WordLevel({f"t{i}": i for i in range(V)}, unk_token="t0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="t0")
+
+
+def pooled_pvalue(counts: torch.Tensor, expected: torch.Tensor) -> float:
+    """One-sample chi-square p-value; cells expecting < 5 are pooled into one, impossible cells (expected 0,
+    e.g. cut by top-k) must be empty and are left out."""
+    counts, expected = counts.flatten().double(), expected.flatten().double()
+    assert counts[expected == 0].sum() == 0, "a token the law excludes was sampled"
+    counts, expected = counts[expected > 0], expected[expected > 0]
+    small = expected < 5
+    obs, exp = counts[~small], expected[~small]
+    if small.any():
+        obs = torch.cat([obs, counts[small].sum().reshape(1)])
+        exp = torch.cat([exp, expected[small].sum().reshape(1)])
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+def homogeneity_pvalue(a: torch.Tensor, b: torch.Tensor, expected: torch.Tensor) -> float:
+    """Two-sample chi-square (contingency) p-value of two count tables; rare cells (expected < 5) pooled."""
+    a, b, expected = a.flatten().double(), b.flatten().double(), expected.flatten().double()
+    a, b, expected = a[expected > 0], b[expected > 0], expected[expected > 0]
+    small = expected < 5
+    rows = [torch.cat([x[~small], x[small].sum().reshape(1)]) for x in (a, b)]
+    table = torch.stack(rows)
+    table = table[:, table.sum(0) > 0]
+    return float(chi2_contingency(table.numpy()).pvalue)
+
+
+def pair_counts(seqs: torch.Tensor, i: int) -> torch.Tensor:
+    """[V, V] counts of (t_i, t_{i+1}) (0-based positions)."""
+    return torch.bincount(seqs[:, i] * V + seqs[:, i + 1], minlength=V * V).reshape(V, V).double()
+
+
+def pair_law(law: torch.Tensor, i: int) -> torch.Tensor:
+    """[V, V] exact law of (t_i, t_{i+1}) from the full law."""
+    other = tuple(d for d in range(NEW) if d not in (i, i + 1))
+    return law.sum(dim=other) if other else law
+
+
+def check_counters(stats: SpecStats) -> None:
+    """Counters are finite, non-negative and consistent (prefix acceptance: per-position counts decrease)."""
+    values = [stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, *stats.accepted_per_pos]
+    assert all(isinstance(v, int) and v >= 0 for v in values), stats
+    assert stats.num_accepted_tokens <= stats.num_draft_tokens <= stats.k * stats.num_drafts
+    assert sum(stats.accepted_per_pos) == stats.num_accepted_tokens
+    assert all(a >= b for a, b in zip(stats.accepted_per_pos, stats.accepted_per_pos[1:]))
+    for rate in (stats.acceptance_rate, stats.acceptance_length):
+        assert math.isfinite(rate) and rate >= 0
+    assert 0 <= stats.acceptance_rate <= 1 and 1 <= stats.acceptance_length <= 1 + stats.k
+
+
+def run_trials(target, make_proposer, settings: dict, trials: int = TRIALS, k: int = K
+               ) -> tuple[torch.Tensor, SpecStats]:
+    """Sequences ``[trials, NEW]`` decoded from ``PROMPT`` with target seeds 0..trials-1, and the summed counters.
+
+    ``target``: a ``core.target.TargetModel``; ``make_proposer(seed)``: a fresh proposer for the trial seeded
+    ``seed`` (drawing with ``settings``), or None for plain sampling."""
+    from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
+
+    stats = SpecStats(k=k)
+    out = torch.empty(trials, NEW, dtype=torch.long)
+    for seed in range(trials):
+        cfg = GenerationConfig(max_new_tokens=NEW, seed=seed, **settings)
+        if make_proposer is None:
+            result = generate_plain(target, PROMPT, cfg)
+        else:
+            result = generate_speculative(target, make_proposer(seed), PROMPT, cfg, k)
+            stats = stats.merge(result.stats)
+        out[seed] = torch.tensor(result.tokens)
+    return out, stats
+
+
+def check_lossless(seqs: torch.Tensor, plain: torch.Tensor, settings: dict) -> None:
+    """Every adjacent pair (t_i, t_i+1) of ``seqs`` matches the exact law and the ``plain`` sample (p > ALPHA)."""
+    law = exact_law(settings)
+    trials = seqs.shape[0]
+    for i in range(NEW - 1):
+        expected = trials * pair_law(law, i)
+        assert pooled_pvalue(pair_counts(seqs, i), expected) > ALPHA, f"(t{i + 1}, t{i + 2}) vs the exact law"
+        p_two = homogeneity_pvalue(pair_counts(seqs, i), pair_counts(plain, i), expected)
+        assert p_two > ALPHA, f"(t{i + 1}, t{i + 2}) vs plain sampling"

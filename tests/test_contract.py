@@ -1,0 +1,253 @@
+"""The contract every registered drafter meets (``drafters.base.Drafter``), with no test edit per drafter.
+
+Each test is parametrised over ``drafters.names()``; a drafter is served from what its own ``example`` builds
+(untrained weights, warm-started where that applies) and trained from its ``example_section``:
+
+- ``greedy``: speculative greedy decoding equals plain greedy decoding, k in {1, 3, 5}, on the reference target
+  and on a tiny random Llama, through the engine (``serve.engine.Engine``), as served;
+- ``lossless``: sampled output follows the target's law, T in {0.5, 1.0} (chi-square against the stub target's
+  exact law and against plain sampling, ``tests/lossless.py``; ``test_lossless_sampling`` shows the power);
+- ``export``: an export re-exported (read, checked, written again) is bit-identical, tensor by tensor;
+- ``refusal``: another target is refused, the error naming the field that differs;
+- ``serve``: the HTTP server answers with the plain text and counts the drafts in /metrics;
+- ``train``: one training step, and a run interrupted after its first checkpoint resumes to the same weights.
+
+A drafter that cannot meet a contract says so in ``Drafter.opt_outs`` (contract name -> reason); the test is
+then skipped with that reason, and ``test_opt_outs_name_contracts`` keeps those names honest.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import make_tiny_llama, make_word_tokenizer
+from draftsmith import drafters, reference
+from draftsmith.core.generate import GenerationConfig, generate_plain
+from draftsmith.core.target import TargetModel
+from draftsmith.drafters.speculative import SpeculativeConfig
+from draftsmith.serve.engine import Engine
+
+CONTRACTS = ("greedy", "lossless", "export", "refusal", "serve", "train")
+NAMES = drafters.names()
+
+
+def honour_opt_out(name: str, contract: str) -> None:
+    """Skip with the drafter's stated reason when it opts out of ``contract``."""
+    reason = drafters.get(name).opt_outs.get(contract)
+    if reason:
+        pytest.skip(f"{name} opts out of {contract}: {reason}")
+
+
+def test_opt_outs_name_contracts():
+    for drafter in drafters.all_drafters():
+        for contract, reason in drafter.opt_outs.items():
+            assert contract in CONTRACTS, f"{drafter.name}: opt-out of unknown contract {contract!r}"
+            assert isinstance(reason, str) and len(reason) > 10, f"{drafter.name}: {contract} needs a reason"
+        assert drafter.trainable == (drafter.example_section() is not None) or "train" in drafter.opt_outs
+
+
+# --------------------------------------------------------------------------------------------- targets
+
+def tiny_target():
+    """A random 8-layer Llama (hidden 32, V = 96) and a word tokenizer; the prompts repeat, so lookup accepts."""
+    tok = make_word_tokenizer(96)
+    return make_tiny_llama(seed=11, num_hidden_layers=8), tok, [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6],
+                                                                [20, 21, 22, 20, 21, 22, 23]]
+
+
+def reference_target():
+    """The reference target and two held-out prompts."""
+    from draftsmith.data_pipeline.chat import prompt_ids
+
+    model, tok = reference.target()
+    records = reference.tasks(["code-complete", "docstring"], limit=1)
+    return model, tok, [prompt_ids(tok, r[0]["messages"]).tolist() for r in records.values()]
+
+
+TARGETS = {"tiny": tiny_target, "reference": reference_target}
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """``served(target, drafter)`` -> (model, tokenizer, prompts, example speculative config), built once."""
+    cache: dict = {}
+
+    def get(target: str, name: str):
+        if target not in cache:
+            cache[target] = TARGETS[target]()
+        model, tok, prompts = cache[target]
+        key = (target, name)
+        if key not in cache:
+            cache[key] = drafters.get(name).example(model, tok, tmp_path_factory.mktemp(f"{target}-{name}"))
+        return model, tok, prompts, cache[key]
+
+    return get
+
+
+# ---------------------------------------------------------------------------------------------- greedy
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_greedy_equals_plain_greedy(served, target, name):
+    honour_opt_out(name, "greedy")
+    model, tok, prompts, spec = served(target, name)
+    for k in (1, 3, 5):
+        engine = Engine(model, tok, spec.with_k(k))
+        drafts = 0
+        for ids in prompts:
+            cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, eos_token_ids=engine.eos_token_ids)
+            plain = generate_plain(TargetModel(model, tok), ids, cfg)
+            spec_out = engine.generate(ids, cfg)
+            assert spec_out.tokens == plain.tokens, f"{name} k={k} on {target}: greedy output differs"
+            assert spec_out.stats.num_draft_tokens <= k * spec_out.stats.num_drafts
+            drafts += spec_out.stats.num_drafts
+        assert drafts > 0, f"{name} k={k}: nothing was drafted, the test would be vacuous"
+
+
+# -------------------------------------------------------------------------------------------- lossless
+
+@pytest.fixture(scope="module")
+def stub(tmp_path_factory):
+    """The stub target of ``tests/lossless.py``, its tokenizer, and plain-sampling runs per temperature."""
+    import lossless
+
+    model, tok = lossless.TrigramLM(lossless.TARGET_TABLE), lossless.word_tokenizer()
+    plain = {t: lossless.run_trials(TargetModel(model), None, {"temperature": t})[0] for t in (0.5, 1.0)}
+    return model, tok, plain, tmp_path_factory.mktemp("stub")
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("temperature", [0.5, 1.0])
+def test_sampling_is_lossless(stub, name, temperature):
+    """Every adjacent pair (t_i, t_i+1) matches the exact law and plain sampling (p > 1e-3), with drafts made,
+    some accepted, some rejected, and whole chains accepted (the bonus token)."""
+    import lossless
+
+    honour_opt_out(name, "lossless")
+    model, tok, plain, workdir = stub
+    spec = drafters.get(name).example(model, tok, workdir / name).with_k(lossless.K)
+    engine = Engine(model, tok, spec)
+    settings = {"temperature": temperature}
+    seqs, stats = lossless.run_trials(engine.target, lambda seed: engine.new_proposer(
+        GenerationConfig(seed=seed, **settings)), settings)
+    lossless.check_counters(stats)
+    assert stats.num_drafts >= lossless.TRIALS and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_pos[lossless.K - 1] > 0
+    lossless.check_lossless(seqs, plain[temperature], settings)
+
+
+# ------------------------------------------------------------------------------------ export / refusal
+
+def _tensors(root) -> dict[str, torch.Tensor]:
+    return {f"{p.relative_to(root)}:{k}": v for p in sorted(root.rglob("*.safetensors"))
+            for k, v in load_file(p).items()}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_export_reloads_bit_identically(served, tmp_path, name):
+    from pathlib import Path
+
+    from draftsmith.export.metadata import read_metadata
+
+    honour_opt_out(name, "export")
+    model, tok, _, spec = served("tiny", name)
+    drafter, head_dir = drafters.get(name), Path(spec.model)
+    assert drafter.check(head_dir, model, tok).checked_target
+    again = drafter.reexport(head_dir, tmp_path / "again", ("all",))
+    before, after = _tensors(head_dir), _tensors(again)
+    assert before and set(before) <= set(after)
+    for key, tensor in before.items():
+        assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key
+    assert read_metadata(again).weights == read_metadata(head_dir).weights
+    assert read_metadata(again).head_type == name
+    Engine(model, tok, SpeculativeConfig(name, str(again), 2))                  # the copy serves too
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_another_target_is_refused_naming_the_field(served, name):
+    from draftsmith.export.metadata import HeadMismatchError
+
+    honour_opt_out(name, "refusal")
+    _, tok, _, spec = served("tiny", name)
+    other = make_tiny_llama(seed=11, num_hidden_layers=8, hidden_size=48)
+    with pytest.raises(HeadMismatchError) as e:
+        Engine(other, tok, spec)
+    assert e.value.field and e.value.field in str(e.value)
+
+
+# ----------------------------------------------------------------------------------------------- serve
+
+@pytest.mark.parametrize("name", NAMES)
+def test_http_server_serves_the_plain_text(served, name):
+    from fastapi.testclient import TestClient
+
+    from draftsmith.serve.server import create_app
+
+    honour_opt_out(name, "serve")
+    model, tok, prompts, spec = served("tiny", name)
+    prompt = prompts[0]
+    plain = Engine(model, tok).generate(prompt, GenerationConfig(max_new_tokens=16, temperature=0.0))
+    with TestClient(create_app(Engine(model, tok, spec, model_name="tiny"))) as client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16,
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == plain.text
+        models = client.get("/v1/models").json()["data"][0]
+        assert models["speculative_config"]["method"] == name
+        metrics = client.get("/metrics").text
+    drafts = [line for line in metrics.splitlines() if line.startswith("draftsmith:spec_decode_num_drafts_total")]
+    assert drafts and float(drafts[0].split()[-1]) > 0
+
+
+# ----------------------------------------------------------------------------------------------- train
+
+def _training_inputs():
+    from draftsmith.data_pipeline.dataset import render_dataset
+    from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens
+
+    tok = make_word_tokenizer(96)
+    g = torch.Generator().manual_seed(0)
+    convs = [{"messages": [{"role": "user", "content": " ".join(f"w{int(i)}" for i in torch.randint(3, 96, (4,),
+                                                                                                 generator=g))},
+                           {"role": "assistant", "content": " ".join(f"w{int(i)}" for i in torch.randint(
+                               3, 96, (8,), generator=g))}]} for _ in range(8)]
+    data = render_dataset(tok, convs, 48)
+    vocab_map = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 48, always_include=[1])
+    return make_tiny_llama(seed=11, num_hidden_layers=8), tok, data, vocab_map
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_trains_a_step_and_resumes_to_the_same_weights(tmp_path, monkeypatch, name):
+    import draftsmith.train.trainer as trainer
+    from draftsmith.pipeline.stages import train_drafter
+    from draftsmith.train.config import TrainConfig
+
+    honour_opt_out(name, "train")
+    target, tok, data, vocab_map = _training_inputs()
+    section = drafters.get(name).example_section()
+    cfg = TrainConfig(mixed_precision="no", max_steps=2, batch_size=4, lr=3e-3, warmup_steps=1, log_every=1,
+                      ckpt_every=1, threads=1)
+
+    def train(out):
+        return train_drafter(section, target, data, cfg, out, pad_id=0, vocab_map=vocab_map, tokenizer=tok)
+
+    full = train(tmp_path / "full")
+    assert full.steps == 2 and all(torch.isfinite(torch.tensor(e["loss"])) for e in full.log)
+    real_commit = trainer.commit_checkpoint
+
+    def commit_then_die(path):
+        real_commit(path)
+        if json.loads((path / "state.json").read_text())["step"] == 1:
+            raise KeyboardInterrupt("simulated preemption")
+
+    monkeypatch.setattr(trainer, "commit_checkpoint", commit_then_die)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "cut")
+    monkeypatch.setattr(trainer, "commit_checkpoint", real_commit)
+    resumed = train(tmp_path / "cut")
+    assert [e["step"] for e in resumed.log] == [e["step"] for e in full.log]
+    for (key, p), q in zip(full.head.named_parameters(), resumed.head.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=f"{name}: {key} after resume")
