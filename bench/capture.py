@@ -18,6 +18,7 @@ less arithmetic and pays for rendering, copies and disk writes with it.
 
 Run: python bench/capture.py [--target reference] [--conversations 64] [--threads 2] [--repeats 3]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -64,10 +65,11 @@ def plain_batches(tokenizer, conversations, max_length: int, shard_size: int, ba
     """The (input_ids [B, T], attention_mask [B, T]) batches ``write_shards`` forwards, and their real tokens."""
     batches, tokens = [], 0
     for lo in range(0, len(conversations), shard_size):
-        seqs, _, _ = _render_shard(tokenizer, conversations, lo, min(len(conversations), lo + shard_size),
-                                   max_length, None)
+        seqs, _, _ = _render_shard(
+            tokenizer, conversations, lo, min(len(conversations), lo + shard_size), max_length, None
+        )
         for b in range(0, len(seqs), batch_size):
-            chunk = seqs[b:b + batch_size]
+            chunk = seqs[b : b + batch_size]
             ids, attn, _ = pad_batch([s[1] for s in chunk], [s[2] for s in chunk], pad_id)
             batches.append((ids, attn))
             tokens += sum(s[1].numel() for s in chunk)
@@ -78,9 +80,18 @@ def capture_once(model, tokenizer, conversations, a, aux) -> tuple[float, int]:
     """(seconds, tokens) of one ``write_shards`` into a fresh temporary folder."""
     with tempfile.TemporaryDirectory(dir=a.tmp) as out:
         t0 = time.perf_counter()
-        manifest = write_shards(model, tokenizer, conversations, Path(out) / "capture", aux, max_length=a.max_length,
-                                shard_size=a.shard_size, batch_size=a.batch_size, target_name=a.target,
-                                progress=False)
+        manifest = write_shards(
+            model,
+            tokenizer,
+            conversations,
+            Path(out) / "capture",
+            aux,
+            max_length=a.max_length,
+            shard_size=a.shard_size,
+            batch_size=a.batch_size,
+            target_name=a.target,
+            progress=False,
+        )
         return time.perf_counter() - t0, manifest["num_tokens"]
 
 
@@ -91,16 +102,24 @@ def rss_worker(a) -> None:
     what bounds a streaming capture's memory."""
     torch.set_num_threads(a.threads)
     model, tok = load_causal_lm(a.target, dtype=a.dtype)
-    conversations = load_conversations("reference:train" if a.source is None else a.source,
-                                       limit=a.conversations) * a.rss_worker
+    conversations = (
+        load_conversations("reference:train" if a.source is None else a.source, limit=a.conversations) * a.rss_worker
+    )
     aux = default_aux_layer_ids(model.config.get_text_config().num_hidden_layers)
     loaded = memory_mb()
     reset = reset_peak_rss()
     _, tokens = capture_once(model, tok, conversations, a, aux)
-    print(json.dumps({"conversations": len(conversations), "tokens": tokens,
-                      "rss_before_capture_mb": round(loaded["rss"], 1),
-                      "peak_rss_during_capture_mb" if reset else "peak_rss_mb": round(memory_mb()["peak"], 1),
-                      "peak_rss_including_load_mb": round(loaded["peak"], 1)}))
+    print(
+        json.dumps(
+            {
+                "conversations": len(conversations),
+                "tokens": tokens,
+                "rss_before_capture_mb": round(loaded["rss"], 1),
+                "peak_rss_during_capture_mb" if reset else "peak_rss_mb": round(memory_mb()["peak"], 1),
+                "peak_rss_including_load_mb": round(loaded["peak"], 1),
+            }
+        )
+    )
 
 
 @torch.no_grad()
@@ -133,10 +152,10 @@ def main(argv=None) -> None:
             model(input_ids=ids, attention_mask=attn, use_cache=False, **kwargs)
         return time.perf_counter() - t0
 
-    plain_forward()                                                   # warm-up (allocator, kernels, page cache)
+    plain_forward()  # warm-up (allocator, kernels, page cache)
     capture_once(model, tok, conversations, a, aux)
     forward_s, last_logit_s, capture_s, captured = [], [], [], 0
-    for _ in range(a.repeats):                                        # interleaved: load drifts hit all three
+    for _ in range(a.repeats):  # interleaved: load drifts hit all three
         forward_s.append(plain_forward())
         last_logit_s.append(plain_forward(logits_to_keep=1))
         seconds, captured = capture_once(model, tok, conversations, a, aux)
@@ -149,22 +168,39 @@ def main(argv=None) -> None:
     peak = lambda r: r.get("peak_rss_during_capture_mb", r.get("peak_rss_mb"))  # noqa: E731
     for times in (1, 4):
         cmd = [sys.executable, __file__, "--rss-worker", str(times)] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(a).items()
-            if k not in ("rss_worker", "repeats") and v is not None]
+            f"--{k.replace('_', '-')}={v}"
+            for k, v in vars(a).items()
+            if k not in ("rss_worker", "repeats") and v is not None
+        ]
         rss.append(json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.splitlines()[-1]))
-    print(json.dumps({
-        "target": a.target, "dtype": a.dtype, "threads": a.threads, "conversations": len(conversations),
-        "tokens": tokens, "batch_size": a.batch_size, "shard_size": a.shard_size, "max_length": a.max_length,
-        "aux_layer_ids": list(aux), "repeats": a.repeats,
-        "forward_tokens_per_s": round(forward_tps), "capture_tokens_per_s": round(capture_tps),
-        "capture_over_forward": round(capture_tps / forward_tps, 3),
-        "forward_last_logit_tokens_per_s": round(last_logit_tps),
-        "capture_over_forward_last_logit": round(capture_tps / last_logit_tps, 3),
-        "forward_s": [round(s, 3) for s in forward_s], "forward_last_logit_s": [round(s, 3) for s in last_logit_s],
-        "capture_s": [round(s, 3) for s in capture_s],
-        "rss": rss, "peak_rss_growth_4x_mb": round(peak(rss[1]) - peak(rss[0]), 1),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "target": a.target,
+                "dtype": a.dtype,
+                "threads": a.threads,
+                "conversations": len(conversations),
+                "tokens": tokens,
+                "batch_size": a.batch_size,
+                "shard_size": a.shard_size,
+                "max_length": a.max_length,
+                "aux_layer_ids": list(aux),
+                "repeats": a.repeats,
+                "forward_tokens_per_s": round(forward_tps),
+                "capture_tokens_per_s": round(capture_tps),
+                "capture_over_forward": round(capture_tps / forward_tps, 3),
+                "forward_last_logit_tokens_per_s": round(last_logit_tps),
+                "capture_over_forward_last_logit": round(capture_tps / last_logit_tps, 3),
+                "forward_s": [round(s, 3) for s in forward_s],
+                "forward_last_logit_s": [round(s, 3) for s in last_logit_s],
+                "capture_s": [round(s, 3) for s in capture_s],
+                "rss": rss,
+                "peak_rss_growth_4x_mb": round(peak(rss[1]) - peak(rss[0]), 1),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python bench/capture.py", main))   # one line per error
+    raise SystemExit(run_guarded("python bench/capture.py", main))  # one line per error

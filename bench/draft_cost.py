@@ -7,6 +7,7 @@ costs about k * draft_step + verify(k+1) for τ tokens, against τ * target_step
 
 Run: python bench/draft_cost.py [--head runs/reference-eagle3/head] [--threads 2] [--context 256] [--k 5]
 """
+
 from __future__ import annotations
 
 import json
@@ -66,6 +67,7 @@ def main(argv=None) -> None:
         def run():
             target.forward(ctx[:n], cache)
             cache.crop(a.context)
+
         return run
 
     def head_chain():
@@ -76,15 +78,19 @@ def main(argv=None) -> None:
         drafter.forward(ctx[:1], dcache)
         dcache.crop(a.context)
 
-    out = {"threads": a.threads, "context": a.context, "k": a.k,
-           "target_1_ms": median_ms(target_n(1), a.repeats),
-           f"target_{a.k + 1}_ms": median_ms(target_n(a.k + 1), a.repeats),
-           "eagle3_step_ms": median_ms(head_chain, a.repeats),
-           "draft_model_step_ms": median_ms(draft_1, a.repeats)}
+    out = {
+        "threads": a.threads,
+        "context": a.context,
+        "k": a.k,
+        "target_1_ms": median_ms(target_n(1), a.repeats),
+        f"target_{a.k + 1}_ms": median_ms(target_n(a.k + 1), a.repeats),
+        "eagle3_step_ms": median_ms(head_chain, a.repeats),
+        "draft_model_step_ms": median_ms(draft_1, a.repeats),
+    }
     base = out["target_1_ms"]
     out["ratios_to_target_1"] = {k: v / base for k, v in out.items() if k.endswith("_ms")}
     print(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python bench/draft_cost.py", main))   # one line per error
+    raise SystemExit(run_guarded("python bench/draft_cost.py", main))  # one line per error

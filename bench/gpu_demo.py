@@ -33,6 +33,7 @@ eval its finished tasks), the cut is printed and recorded, and nothing runs past
 Exit status: 0 every stage ran to the end; 4 finished with cuts (partial figures); 3 stopped early
 (preflight failure, prepare cut); 2 bad arguments or no CUDA; 1 a stage failed (traceback printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,11 +54,11 @@ FORMAT = "draftsmith-gpu-demo"
 FORMAT_VERSION = 1
 #: the end of each stage as a fraction of the budget (from ``--started-at``); the serve check stops at the budget
 STAGE_ENDS = {"prepare": 0.40, "train": 0.72, "eval": 0.95, "serve": 1.0}
-SERVE_MIN_S = 20.0            #: seconds the serve check needs; with less left it is skipped
+SERVE_MIN_S = 20.0  #: seconds the serve check needs; with less left it is skipped
 DTYPE_NOTES = {
     "float32": "the recipe's dtype: the 15M-parameter reference target is launch-bound on a GPU, so bfloat16 would "
-               "not make it faster, while it would change its answers from the CPU demo's and let batched and "
-               "one-token forwards round to different greedy tokens",
+    "not make it faster, while it would change its answers from the CPU demo's and let batched and "
+    "one-token forwards round to different greedy tokens",
     "bfloat16": "chosen with --target-dtype",
     "float16": "chosen with --target-dtype",
 }
@@ -73,6 +74,7 @@ def deadline(at: float, stage: str):
 
     A deadline already past fires at once, inside the block. SIGALRM: main thread only, one at a time;
     the timer is cleared when the block ends."""
+
     def fire(signum, frame):
         raise StageTimeout(f"{stage} reached its deadline")
 
@@ -93,17 +95,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-s", type=float, default=420.0, help="whole run, install included (default 420 = 7 min)")
     p.add_argument("--started-at", type=float, default=None, help="epoch seconds the budget counts from (default: now)")
     p.add_argument("--out", default=None, help="results folder (default: $OUT, else runs/gpu-demo)")
-    p.add_argument("--work-dir", default=None, help="the run's data/checkpoints/head (default: a new folder in /tmp); "
-                                                    "must be empty or absent")
-    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                   help="cpu: a smoke run of this script, figures labelled CPU (default cuda)")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="the run's data/checkpoints/head (default: a new folder in /tmp); must be empty or absent",
+    )
+    p.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: a smoke run of this script, figures labelled CPU (default cuda)",
+    )
     p.add_argument("--train-steps", type=int, default=400, help="train.max_steps (default 400)")
     p.add_argument("--ckpt-every", type=int, default=50, help="train.ckpt_every: what a cut keeps (default 50)")
     p.add_argument("--mode", choices=["online", "offline"], default="online", help="train.mode (default online)")
     p.add_argument("--conversations", type=int, default=None, help="data.num_conversations (default: the recipe's)")
     p.add_argument("--regen-batch-size", type=int, default=256, help="data.batch_size: answers regenerated at once")
-    p.add_argument("--target-dtype", choices=sorted(DTYPE_NOTES), default=None,
-                   help="target.dtype (default: the recipe's, float32); capture and serving both use it")
+    p.add_argument(
+        "--target-dtype",
+        choices=sorted(DTYPE_NOTES),
+        default=None,
+        help="target.dtype (default: the recipe's, float32); capture and serving both use it",
+    )
     p.add_argument("--k", type=int, default=None, help="drafter.num_speculative_tokens (default: the recipe's)")
     p.add_argument("--prompts-per-task", type=int, default=None, help="eval.prompts_per_task (default: the recipe's)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="eval.max_new_tokens (default: the recipe's)")
@@ -115,11 +128,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 def recipe_overrides(args) -> list[str]:
     """The dotted overrides this run applies to the recipe, in order (the user's ``overrides`` last)."""
-    out = ["name=gpu-demo", f"train.max_steps={args.train_steps}", "train.mixed_precision=bf16",
-           f"train.mode={args.mode}", f"train.ckpt_every={args.ckpt_every}", f"data.batch_size={args.regen_batch_size}"]
-    for key, value in (("data.num_conversations", args.conversations), ("target.dtype", args.target_dtype),
-                       ("drafter.num_speculative_tokens", args.k), ("eval.prompts_per_task", args.prompts_per_task),
-                       ("eval.max_new_tokens", args.max_new_tokens)):
+    out = [
+        "name=gpu-demo",
+        f"train.max_steps={args.train_steps}",
+        "train.mixed_precision=bf16",
+        f"train.mode={args.mode}",
+        f"train.ckpt_every={args.ckpt_every}",
+        f"data.batch_size={args.regen_batch_size}",
+    ]
+    for key, value in (
+        ("data.num_conversations", args.conversations),
+        ("target.dtype", args.target_dtype),
+        ("drafter.num_speculative_tokens", args.k),
+        ("eval.prompts_per_task", args.prompts_per_task),
+        ("eval.max_new_tokens", args.max_new_tokens),
+    ):
         if value is not None:
             out.append(f"{key}={value}")
     return out + list(args.overrides)
@@ -147,7 +170,7 @@ def _version(module: str) -> str:
     """``module.__version__``, or why it cannot be imported."""
     try:
         return __import__(module).__version__
-    except Exception as e:                    # noqa: BLE001 (a missing or broken package is what we report)
+    except Exception as e:  # noqa: BLE001 (a missing or broken package is what we report)
         return f"unavailable ({type(e).__name__}: {e})"
 
 
@@ -157,19 +180,44 @@ def environment(device: str) -> dict:
 
     from draftsmith.export.metadata import toolkit_info
 
-    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-                **{m: _version(m) for m in ("transformers", "accelerate", "safetensors", "tokenizers",
-                                            "huggingface_hub", "numpy", "fastapi", "uvicorn", "pydantic", "httpx")},
-                "draftsmith": toolkit_info()}
+    versions = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        **{
+            m: _version(m)
+            for m in (
+                "transformers",
+                "accelerate",
+                "safetensors",
+                "tokenizers",
+                "huggingface_hub",
+                "numpy",
+                "fastapi",
+                "uvicorn",
+                "pydantic",
+                "httpx",
+            )
+        },
+        "draftsmith": toolkit_info(),
+    }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
-        info = {"type": "cuda", "name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count(),
-                "memory_gib": round(props.total_memory / 2**30, 1), "capability": f"{props.major}.{props.minor}",
-                "multiprocessors": props.multi_processor_count,
-                "tf32_matmul": torch.backends.cuda.matmul.allow_tf32}
+        info = {
+            "type": "cuda",
+            "name": torch.cuda.get_device_name(0),
+            "count": torch.cuda.device_count(),
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "capability": f"{props.major}.{props.minor}",
+            "multiprocessors": props.multi_processor_count,
+            "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+        }
     else:
-        info = {"type": "cpu", "name": f"CPU ({platform.processor() or platform.machine()}, "
-                                      f"{os.cpu_count()} cores, smoke run: not GPU figures)"}
+        info = {
+            "type": "cpu",
+            "name": f"CPU ({platform.processor() or platform.machine()}, "
+            f"{os.cpu_count()} cores, smoke run: not GPU figures)",
+        }
     return {"versions": versions, "device": info}
 
 
@@ -213,7 +261,7 @@ def preflight(target, tokenizer) -> list[dict]:
     for name, check in PREFLIGHT.items():
         try:
             results.append({"name": name, "ok": True, "note": check(target, tokenizer)})
-        except Exception as e:                # noqa: BLE001 (the failure is the finding)
+        except Exception as e:  # noqa: BLE001 (the failure is the finding)
             results.append({"name": name, "ok": False, "note": f"{type(e).__name__}: {e}"})
     return results
 
@@ -227,8 +275,13 @@ class Run:
     def __init__(self, out: Path, started_at: float, budget_s: float, settings: dict):
         self.out, self.started_at, self.budget_s = out, started_at, budget_s
         self.deadlines = stage_deadlines(started_at, budget_s)
-        self.result = {"format": FORMAT, "format_version": FORMAT_VERSION, "settings": settings, "stages": [],
-                       "cuts": []}
+        self.result = {
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "settings": settings,
+            "stages": [],
+            "cuts": [],
+        }
         out.mkdir(parents=True, exist_ok=True)
 
     def save(self) -> None:
@@ -285,15 +338,22 @@ def train_summary(run_dir: Path, head_dir: Path | None, max_steps: int) -> dict:
 
     log_path = run_dir / "train" / "train_log.json"
     state = run_dir / "train" / "checkpoint" / "state.json"
-    log = json.loads(log_path.read_text()) if log_path.exists() else (
-        json.loads(state.read_text())["extra"].get("log", []) if state.exists() else [])
+    log = (
+        json.loads(log_path.read_text())
+        if log_path.exists()
+        else (json.loads(state.read_text())["extra"].get("log", []) if state.exists() else [])
+    )
     training = read_metadata(head_dir).training if head_dir is not None else {}
     last = log[-1] if log else {}
     speeds = [e["tokens_per_s"] for e in log if e.get("tokens_per_s")]
-    return {"max_steps": max_steps, "steps": training.get("steps", last.get("step", 0)),
-            "seconds": training.get("seconds"), "mean_tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
-            "last": {k: v for k, v in last.items() if k.startswith(("loss", "acc_", "lr", "grad_norm"))},
-            "log": log}
+    return {
+        "max_steps": max_steps,
+        "steps": training.get("steps", last.get("step", 0)),
+        "seconds": training.get("seconds"),
+        "mean_tokens_per_s": sum(speeds) / len(speeds) if speeds else None,
+        "last": {k: v for k, v in last.items() if k.startswith(("loss", "acc_", "lr", "grad_norm"))},
+        "log": log,
+    }
 
 
 def run_eval_by_task(run: Run, recipe, target, tokenizer, head_dir: Path | None, rec: dict) -> None:
@@ -319,7 +379,7 @@ def run_eval_by_task(run: Run, recipe, target, tokenizer, head_dir: Path | None,
         if last is not None and run.deadlines["eval"] - time.time() < 1.2 * last:
             run.cut(f"eval tasks {', '.join(cfg.tasks[i:])}: {last:.0f} s each, too little time left")
             return
-        rec["running"] = cfg.tasks[i:]            # what a cut during this task loses
+        rec["running"] = cfg.tasks[i:]  # what a cut during this task loses
         t0 = time.time()
         part = evaluate(target, tokenizer, {task: tasks[task]}, rows, cfg)
         last = time.time() - t0
@@ -336,28 +396,50 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
     from draftsmith.models import load_causal_lm
 
     dtype = recipe.target.dtype
-    settings = {"budget_s": args.budget_s, "recipe": str(args.recipe or "recipes/reference/eagle3.yaml"),
-                "overrides": overrides, "work_dir": str(work_dir), "out": str(out),
-                "target_dtype": dtype, "target_dtype_note": DTYPE_NOTES[dtype],
-                "train": {"max_steps": recipe.train.max_steps, "epochs": recipe.train.epochs,
-                          "mixed_precision": recipe.train.mixed_precision,
-                          "mode": recipe.train.mode, "batch_size": recipe.train.batch_size, "lr": recipe.train.lr},
-                "data": {"num_conversations": recipe.data.num_conversations,
-                         "heldout_conversations": recipe.data.heldout_conversations,
-                         "regenerate": recipe.data.regenerate, "max_new_tokens": recipe.data.max_new_tokens,
-                         "batch_size": recipe.data.batch_size},
-                "eval": {"tasks": recipe.eval.tasks, "rows": [recipe.drafter.method, *recipe.eval.drafters],
-                         "k": recipe.drafter.num_speculative_tokens,
-                         "prompts_per_task": recipe.eval.prompts_per_task,
-                         "max_new_tokens": recipe.eval.max_new_tokens}}
+    settings = {
+        "budget_s": args.budget_s,
+        "recipe": str(args.recipe or "recipes/reference/eagle3.yaml"),
+        "overrides": overrides,
+        "work_dir": str(work_dir),
+        "out": str(out),
+        "target_dtype": dtype,
+        "target_dtype_note": DTYPE_NOTES[dtype],
+        "train": {
+            "max_steps": recipe.train.max_steps,
+            "epochs": recipe.train.epochs,
+            "mixed_precision": recipe.train.mixed_precision,
+            "mode": recipe.train.mode,
+            "batch_size": recipe.train.batch_size,
+            "lr": recipe.train.lr,
+        },
+        "data": {
+            "num_conversations": recipe.data.num_conversations,
+            "heldout_conversations": recipe.data.heldout_conversations,
+            "regenerate": recipe.data.regenerate,
+            "max_new_tokens": recipe.data.max_new_tokens,
+            "batch_size": recipe.data.batch_size,
+        },
+        "eval": {
+            "tasks": recipe.eval.tasks,
+            "rows": [recipe.drafter.method, *recipe.eval.drafters],
+            "k": recipe.drafter.num_speculative_tokens,
+            "prompts_per_task": recipe.eval.prompts_per_task,
+            "max_new_tokens": recipe.eval.max_new_tokens,
+        },
+    }
     run = Run(out, started_at, args.budget_s, settings)
     res = run.result
-    print(f"[gpu_demo] recipe overrides: {' '.join(overrides)}\n[gpu_demo] target {dtype}: {DTYPE_NOTES[dtype]}; "
-          "capture (online, this process) and serving use this one loaded target", flush=True)
+    print(
+        f"[gpu_demo] recipe overrides: {' '.join(overrides)}\n[gpu_demo] target {dtype}: {DTYPE_NOTES[dtype]}; "
+        "capture (online, this process) and serving use this one loaded target",
+        flush=True,
+    )
     with run.stage("setup"):
         res.update(environment(args.device))
-        print(f"[gpu_demo] device: {json.dumps(res['device'])}\n[gpu_demo] versions: {json.dumps(res['versions'])}",
-              flush=True)
+        print(
+            f"[gpu_demo] device: {json.dumps(res['device'])}\n[gpu_demo] versions: {json.dumps(res['versions'])}",
+            flush=True,
+        )
         target, tokenizer = load_causal_lm(recipe.target.name_or_path, recipe.target.revision, dtype)
         target.to(args.device)
     with run.stage("preflight"):
@@ -374,8 +456,10 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
     with run.stage("prepare", run.deadlines["prepare"]) as rec:
         data = run_prepare(recipe, target, tokenizer)
         res["prepare"] = {k: v for k, v in data.manifest.items() if k not in ("key", "files", "config")}
-        rec["note"] = (f"{data.manifest['conversations']} conversations + {data.manifest['heldout_conversations']} "
-                       f"held out, answers regenerated {recipe.data.batch_size} at a time")
+        rec["note"] = (
+            f"{data.manifest['conversations']} conversations + {data.manifest['heldout_conversations']} "
+            f"held out, answers regenerated {recipe.data.batch_size} at a time"
+        )
     if rec["status"] == "cut":
         run.cut("prepare: it did not finish; rerun with --conversations N (fewer) or a larger --budget-s")
         print(format_summary(res), flush=True)
@@ -391,14 +475,19 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
             with run.stage("export"):
                 head_dir = export_run(recipe.run_dir, recipe.run_dir / "head", recipe.export.formats)
         step = json.loads((ckpt / "state.json").read_text())["step"] if (ckpt / "state.json").exists() else 0
-        run.cut(f"training: stopped at its deadline; the head is the checkpoint of step {step} of "
-                f"{recipe.train.max_steps}" if step else "training: stopped before its first checkpoint")
+        run.cut(
+            f"training: stopped at its deadline; the head is the checkpoint of step {step} of {recipe.train.max_steps}"
+            if step
+            else "training: stopped before its first checkpoint"
+        )
     res["train"] = train_summary(recipe.run_dir, head_dir, recipe.train.max_steps)
     if (recipe.run_dir / "train" / "train_log.json").exists() or res["train"]["log"]:
         (out / "train_log.json").write_text(json.dumps(res["train"]["log"], indent=1))
     res["train"]["log"] = f"{len(res['train']['log'])} entries: train_log.json"
-    train_rec["note"] = (f"{res['train']['steps']} steps (train.max_steps {recipe.train.max_steps}, at most "
-                         f"{recipe.train.epochs} epochs), export included")
+    train_rec["note"] = (
+        f"{res['train']['steps']} steps (train.max_steps {recipe.train.max_steps}, at most "
+        f"{recipe.train.epochs} epochs), export included"
+    )
     run.save()
 
     if head_dir is not None:
@@ -414,8 +503,10 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
     with run.stage("eval", run.deadlines["eval"]) as rec:
         run_eval_by_task(run, recipe, target, tokenizer, head_dir, rec)
     if rec["status"] == "cut":
-        run.cut(f"eval tasks {', '.join(rec.pop('running', recipe.eval.tasks))}: the eval deadline came during the "
-                "first of them")
+        run.cut(
+            f"eval tasks {', '.join(rec.pop('running', recipe.eval.tasks))}: the eval deadline came during the "
+            "first of them"
+        )
     if res.get("eval"):
         res["table"] = format_table(res["eval"])
         (out / "table.txt").write_text(res["table"] + "\n")
@@ -425,14 +516,20 @@ def execute(args, recipe, overrides: list[str], out: Path, work_dir: Path, start
     if args.no_serve:
         res["serve_check"] = {"skipped": "--no-serve"}
     elif head_dir is None or serve_ok is not True or run.left() < SERVE_MIN_S:
-        why = ("no head" if head_dir is None else serve_ok if serve_ok is not True
-               else f"{run.left():.0f} s left (< {SERVE_MIN_S:.0f})")
+        why = (
+            "no head"
+            if head_dir is None
+            else serve_ok
+            if serve_ok is not True
+            else f"{run.left():.0f} s left (< {SERVE_MIN_S:.0f})"
+        )
         res["serve_check"] = {"skipped": why}
         run.cut(f"serve check: {why}")
     else:
         with run.stage("serve") as rec:
-            served = serve_check(target, tokenizer, head_dir, recipe.drafter.num_speculative_tokens,
-                                 reference_prompt(recipe))
+            served = serve_check(
+                target, tokenizer, head_dir, recipe.drafter.num_speculative_tokens, reference_prompt(recipe)
+            )
             res["serve_check"] = served
             rec["note"] = f"{served['usage']['completion_tokens']} tokens, /metrics {served['metrics']}"
         if rec["status"] == "cut":
@@ -452,7 +549,7 @@ def _serve_stack():
         import fastapi  # noqa: F401
         import httpx  # noqa: F401
         import uvicorn  # noqa: F401
-    except Exception as e:                    # noqa: BLE001
+    except Exception as e:  # noqa: BLE001
         return f"fastapi/uvicorn/httpx do not import ({type(e).__name__}: {e}); bash bench/gpu_wheels.sh carries them"
     return True
 
@@ -469,13 +566,16 @@ def format_summary(res: dict) -> str:
         name += f" ({dev.get('memory_gib')} GiB, compute {dev.get('capability')})"
     train, ev = st.get("train", {}), st.get("eval", {})
     steps = (res.get("train") or {}).get("steps")
-    lines = [f"draftsmith GPU demo on {name}",
-             f"torch {ver.get('torch')} (CUDA {ver.get('cuda')}), transformers {ver.get('transformers')}, "
-             f"accelerate {ver.get('accelerate')}, draftsmith {(ver.get('draftsmith') or {}).get('version')}",
-             f"target reference {st.get('target_dtype')}; EAGLE-3 head {steps if steps is not None else '?'} steps "
-             f"(max {train.get('max_steps')}), mixed precision {train.get('mixed_precision')}, {train.get('mode')} "
-             f"capture; greedy, k={ev.get('k')}, {ev.get('prompts_per_task')} prompts x {ev.get('max_new_tokens')} "
-             "new tokens per task; speedup = plain decode time / method decode time, same prompts, same run", ""]
+    lines = [
+        f"draftsmith GPU demo on {name}",
+        f"torch {ver.get('torch')} (CUDA {ver.get('cuda')}), transformers {ver.get('transformers')}, "
+        f"accelerate {ver.get('accelerate')}, draftsmith {(ver.get('draftsmith') or {}).get('version')}",
+        f"target reference {st.get('target_dtype')}; EAGLE-3 head {steps if steps is not None else '?'} steps "
+        f"(max {train.get('max_steps')}), mixed precision {train.get('mixed_precision')}, {train.get('mode')} "
+        f"capture; greedy, k={ev.get('k')}, {ev.get('prompts_per_task')} prompts x {ev.get('max_new_tokens')} "
+        "new tokens per task; speedup = plain decode time / method decode time, same prompts, same run",
+        "",
+    ]
     lines.append(res["table"] if res.get("table") else "(no eval table: see the stages below)")
     lines += ["", f"{'stage':<12}{'seconds':>9}  {'status':<8}note"]
     for s in res.get("stages", []):
@@ -492,9 +592,14 @@ def format_summary(res: dict) -> str:
 def format_plan(args, overrides: list[str], started_at: float, out: Path, work_dir: str) -> str:
     """What a run would do (``--dry-run``): overrides, folders, and each stage's deadline from the start."""
     ends = stage_deadlines(started_at, args.budget_s)
-    lines = [f"recipe: {args.recipe or 'recipes/reference/eagle3.yaml (packaged)'}",
-             f"overrides: {' '.join(overrides)}", f"out: {out}", f"work dir: {work_dir}", f"device: {args.device}",
-             f"budget: {args.budget_s:.0f} s from the start"]
+    lines = [
+        f"recipe: {args.recipe or 'recipes/reference/eagle3.yaml (packaged)'}",
+        f"overrides: {' '.join(overrides)}",
+        f"out: {out}",
+        f"work dir: {work_dir}",
+        f"device: {args.device}",
+        f"budget: {args.budget_s:.0f} s from the start",
+    ]
     lines += [f"  {stage:<8} cut at {end - started_at:6.0f} s" for stage, end in ends.items()]
     return "\n".join(lines)
 
@@ -512,8 +617,10 @@ def main(argv=None) -> int:
         print(f"gpu_demo: error: {e}", file=sys.stderr)
         return 2
     if args.work_dir and Path(args.work_dir).exists() and any(Path(args.work_dir).iterdir()):
-        print(f"gpu_demo: error: --work-dir {args.work_dir} is not empty; a fresh run needs an empty folder",
-              file=sys.stderr)
+        print(
+            f"gpu_demo: error: --work-dir {args.work_dir} is not empty; a fresh run needs an empty folder",
+            file=sys.stderr,
+        )
         return 2
     if args.dry_run:
         print(format_plan(args, overrides, started_at, out, args.work_dir or "a new folder in /tmp"))
@@ -521,8 +628,11 @@ def main(argv=None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("gpu_demo: error: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine, "
-              "or pass --device cpu for a smoke run", file=sys.stderr)
+        print(
+            "gpu_demo: error: no CUDA device here (torch.cuda.is_available() is False); run it on a GPU machine, "
+            "or pass --device cpu for a smoke run",
+            file=sys.stderr,
+        )
         return 2
     work_dir = Path(args.work_dir) if args.work_dir else Path(tempfile.mkdtemp(prefix="draftsmith-gpu-demo-"))
     work_dir.mkdir(parents=True, exist_ok=True)
@@ -531,7 +641,7 @@ def main(argv=None) -> int:
     faulthandler.dump_traceback_later(max(started_at + args.budget_s - time.time(), 0) + 30, exit=True)
     try:
         return execute(args, recipe, overrides, out, work_dir, started_at)
-    except Exception:                         # noqa: BLE001 (the stage is recorded as failed in gpu_demo.json)
+    except Exception:  # noqa: BLE001 (the stage is recorded as failed in gpu_demo.json)
         traceback.print_exc()
         print(f"[gpu_demo] failed; partial results in {out / 'gpu_demo.json'}", file=sys.stderr)
         return 1

@@ -13,6 +13,7 @@ fixed torch threads, the demo recipe's shape (batch 8, 5 TTT steps, aux layers 2
 
 Run: python bench/train_step.py [--threads 2] [--steps 8] [--warmup 2] [--batch-size 8] [--precision no] [--clock wall]
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,10 @@ from draftsmith.data_pipeline.dataset import load_conversations, pad_batch, rend
 from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens
 from draftsmith.drafters.eagle3.config import Section
 from draftsmith.drafters.eagle3.train import Eagle3Spec
-from draftsmith.train.config import TrainConfig
-from draftsmith.train.trainer import DrafterTrainer
 from draftsmith.drafters.eagle3.ttt import ttt_loss
 from draftsmith.models import load_causal_lm
+from draftsmith.train.config import TrainConfig
+from draftsmith.train.trainer import DrafterTrainer
 
 LIMIT = 1.3
 
@@ -63,8 +64,16 @@ def time_alone(trainer: DrafterTrainer, data, pad_id: int) -> dict:
         cap = capture(trainer.target, ids, head.config.aux_layer_ids, attention_mask=attn)
         t_capture, t1 = since(t0), now()
         with trainer.accelerator.autocast():
-            out = ttt_loss(head, cap.aux_hidden, ids, cap.target_logits, mask, step_decay=cfg.step_decay,
-                           attention_mask=attn, prompt_loss_weight=cfg.prompt_loss_weight)
+            out = ttt_loss(
+                head,
+                cap.aux_hidden,
+                ids,
+                cap.target_logits,
+                mask,
+                step_decay=cfg.step_decay,
+                attention_mask=attn,
+                prompt_loss_weight=cfg.prompt_loss_weight,
+            )
         out.loss.backward()
         t_head = since(t1)
         for c in CLOCKS:
@@ -93,11 +102,20 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     target, tok = load_causal_lm(a.target)
     data = render_dataset(tok, load_conversations("reference:train", limit=a.conversations), a.max_length)
-    vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, len(tok)), 2048,
-                           always_include=[tok.eos_token_id])
+    vmap = build_vocab_map(
+        count_tokens(data.input_ids, data.loss_mask, len(tok)), 2048, always_include=[tok.eos_token_id]
+    )
     head_cfg = Section(aux_layer_ids=[2, 4, 7], ttt_steps=5)
-    cfg = TrainConfig(max_steps=a.warmup + a.steps, batch_size=a.batch_size, micro_batch_size=a.micro_batch_size,
-                      lr=2e-3, warmup_steps=2, threads=a.threads, mixed_precision=a.precision, log_every=10**9)
+    cfg = TrainConfig(
+        max_steps=a.warmup + a.steps,
+        batch_size=a.batch_size,
+        micro_batch_size=a.micro_batch_size,
+        lr=2e-3,
+        warmup_steps=2,
+        threads=a.threads,
+        mixed_precision=a.precision,
+        log_every=10**9,
+    )
     with tempfile.TemporaryDirectory() as out:
         trainer = DrafterTrainer(Eagle3Spec(head_cfg, vmap), target, data, cfg, Path(out), tok.pad_token_id)
         rows = []
@@ -109,25 +127,34 @@ def main(argv=None) -> int:
                 rows.append({**alone, "step": since(t0)})
     med = {part: {c: statistics.median(r[part][c] for r in rows) for c in CLOCKS} for part in rows[0]}
     ratio = {c: med["step"][c] / med["alone"][c] for c in CLOCKS}
-    print(f"reference target, online, batch {a.batch_size}, micro {cfg.micro_batch_size or a.batch_size}, "
-          f"precision {a.precision}, {a.threads} threads, {a.steps} steps; median seconds (wall / cpu)")
-    names = {"capture": "target no-grad forward", "head_fwd_bwd": "head TTT forward + backward",
-             "alone": "both, measured alone", "step": "trainer step"}
+    print(
+        f"reference target, online, batch {a.batch_size}, micro {cfg.micro_batch_size or a.batch_size}, "
+        f"precision {a.precision}, {a.threads} threads, {a.steps} steps; median seconds (wall / cpu)"
+    )
+    names = {
+        "capture": "target no-grad forward",
+        "head_fwd_bwd": "head TTT forward + backward",
+        "alone": "both, measured alone",
+        "step": "trainer step",
+    }
     for part, label in names.items():
         print(f"  {label:<28} {med[part]['wall']:8.3f} / {med[part]['cpu']:8.3f}")
     for c in CLOCKS:
         per_step = sorted(r["step"][c] / r["alone"][c] for r in rows)
         print(f"  ratio step / alone ({c:<4})   {ratio[c]:.3f}  (per step {per_step[0]:.3f}..{per_step[-1]:.3f})")
     if a.json:
-        a.json.write_text(json.dumps({"median_s": med, "ratio": ratio, "per_step": rows, "args": vars(a)},
-                                     indent=1, default=str))
+        a.json.write_text(
+            json.dumps({"median_s": med, "ratio": ratio, "per_step": rows, "args": vars(a)}, indent=1, default=str)
+        )
     if ratio[a.clock] > LIMIT:
-        print(f"FAIL ({a.clock} clock): the trainer step costs {ratio[a.clock]:.2f}x the forward/backward it cannot "
-              f"avoid (limit {LIMIT})")
+        print(
+            f"FAIL ({a.clock} clock): the trainer step costs {ratio[a.clock]:.2f}x the forward/backward it cannot "
+            f"avoid (limit {LIMIT})"
+        )
         return 1
     print(f"ok ({a.clock} clock): {ratio[a.clock]:.3f} <= {LIMIT}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python bench/train_step.py", main))   # one line per error
+    raise SystemExit(run_guarded("python bench/train_step.py", main))  # one line per error

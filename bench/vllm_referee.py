@@ -10,6 +10,7 @@ Run:
     nice -n 19 python bench/vllm_referee.py --head runs/reference-eagle3/head --target reference \\
         [--k 3 5] [--prompts 20] [--max-tokens 64] [--format research speculators serve] [--json out.json] [--logs DIR]
 """
+
 from __future__ import annotations
 
 import json
@@ -55,14 +56,26 @@ def main(argv=None) -> int:
     if not a.head:
         return 0 if a.setup else p.error("--head is required")
     prompts = heldout_prompt_ids(a.target, a.prompts)
-    verdicts, raw = ref.referee(a.head, a.target, prompts, ks=a.k, formats=a.format, max_tokens=a.max_tokens,
-                                python=a.python, record=not a.no_record, log_dir=a.logs)
+    verdicts, raw = ref.referee(
+        a.head,
+        a.target,
+        prompts,
+        ks=a.k,
+        formats=a.format,
+        max_tokens=a.max_tokens,
+        python=a.python,
+        record=not a.no_record,
+        log_dir=a.logs,
+    )
     print(ref.format_table(verdicts))
     if a.json:
-        a.json.write_text(json.dumps({"verdicts": [asdict(v) for v in verdicts], "prompts": prompts, "raw": raw},
-                                     indent=1, default=str))
+        a.json.write_text(
+            json.dumps(
+                {"verdicts": [asdict(v) for v in verdicts], "prompts": prompts, "raw": raw}, indent=1, default=str
+            )
+        )
     return 0 if all(v.match for v in verdicts) else 1
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python bench/vllm_referee.py", main))   # one line per error
+    raise SystemExit(run_guarded("python bench/vllm_referee.py", main))  # one line per error

@@ -1,4 +1,5 @@
 """Shared fixtures: tiny models built from configs on CPU (never downloaded)."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,18 +8,38 @@ import torch
 torch.set_num_threads(1)
 
 
-def make_tiny_llama(vocab_size: int = 96, hidden_size: int = 32, num_hidden_layers: int = 4, seed: int = 0,
-                    num_attention_heads: int = 4, num_key_value_heads: int = 2, arch: str = "llama"):
+def make_tiny_llama(
+    vocab_size: int = 96,
+    hidden_size: int = 32,
+    num_hidden_layers: int = 4,
+    seed: int = 0,
+    num_attention_heads: int = 4,
+    num_key_value_heads: int = 2,
+    arch: str = "llama",
+):
     """A random tiny causal LM (llama | qwen2 | qwen3 | mistral) in eval mode, float32."""
     import transformers as tf
 
-    cls = {"llama": (tf.LlamaConfig, tf.LlamaForCausalLM), "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
-           "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM), "mistral": (tf.MistralConfig, tf.MistralForCausalLM)}
+    cls = {
+        "llama": (tf.LlamaConfig, tf.LlamaForCausalLM),
+        "qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM),
+        "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM),
+        "mistral": (tf.MistralConfig, tf.MistralForCausalLM),
+    }
     config_cls, model_cls = cls[arch]
-    config = config_cls(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
-                        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-                        num_key_value_heads=num_key_value_heads, max_position_embeddings=512,
-                        tie_word_embeddings=False, eos_token_id=1, pad_token_id=0, bos_token_id=None)
+    config = config_cls(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_key_value_heads,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+    )
     torch.manual_seed(seed)
     return model_cls(config).eval()
 
@@ -29,8 +50,11 @@ def tiny_llama():
     return make_tiny_llama
 
 
-def make_word_tokenizer(vocab_size: int = 96, rename: dict | None = None,
-                        template: str | None = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"):
+def make_word_tokenizer(
+    vocab_size: int = 96,
+    rename: dict | None = None,
+    template: str | None = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}",
+):
     """A word-level tokenizer built in memory (``w0`` pad, ``w1`` eos, ``w2`` unk); ``rename={id: token}``
     gives a different tokenizer of the same size."""
     from tokenizers import Tokenizer, models, pre_tokenizers
@@ -63,12 +87,16 @@ def make_chatml_tokenizer(vocab_size: int = 300):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    bpe = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(["def add(a, b):\n    return a + b\n", "Hello there, how are you?"] * 20, bpe)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>")
     fast.chat_template = CHAT_TEMPLATE
-    fast.name_or_path = "tiny-chatml"          # what error messages name the template by
+    fast.name_or_path = "tiny-chatml"  # what error messages name the template by
     return fast
 
 
@@ -85,8 +113,12 @@ def chatml_tokenizer():
 
 
 def pytest_addoption(parser):
-    parser.addoption("--run-vllm", action="store_true", default=False,
-                     help="run the opt-in vLLM referee tests (needs .venv-vllm; see bench/vllm_referee.py)")
+    parser.addoption(
+        "--run-vllm",
+        action="store_true",
+        default=False,
+        help="run the opt-in vLLM referee tests (needs .venv-vllm; see bench/vllm_referee.py)",
+    )
 
 
 def train_eagle3(target, data, vocab_map, section, cfg, out_dir, pad_id, **kw):

@@ -6,6 +6,7 @@
 Builds the same tiny target, data and vocab map in every process from fixed seeds, trains a few steps
 and writes ``OUT/rank{r}.json`` (log, sharding report, final head checksum) on every rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,13 +17,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from conftest import make_tiny_llama  # noqa: E402
-
+from conftest import (
+    make_tiny_llama,  # noqa: E402
+    train_eagle3,
+)
 from draftsmith.data_pipeline.dataset import RenderedDataset  # noqa: E402
 from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens  # noqa: E402
 from draftsmith.drafters.eagle3.config import Section as HeadConfig
 from draftsmith.train.config import TrainConfig
-from conftest import train_eagle3
 
 VOCAB = 96
 
@@ -34,21 +36,47 @@ def make_data(n: int = 16, t: int = 20, seed: int = 0) -> RenderedDataset:
     return RenderedDataset(ids, [torch.arange(x.numel()) >= 5 for x in ids])
 
 
-def run(out: Path, strategy: str = "auto", num_processes: int | None = None, steps: int = 4, batch_size: int = 4,
-        micro_batch_size: int | None = 2, ckpt_every: int = 0, target_sharding: str = "replicated",
-        drafter: str = "eagle3"):
+def run(
+    out: Path,
+    strategy: str = "auto",
+    num_processes: int | None = None,
+    steps: int = 4,
+    batch_size: int = 4,
+    micro_batch_size: int | None = 2,
+    ckpt_every: int = 0,
+    target_sharding: str = "replicated",
+    drafter: str = "eagle3",
+):
     """Train the tiny head (or, ``drafter="draft_model"``, a 2-layer draft LM); returns the ``TrainResult``."""
     target = make_tiny_llama(seed=7)
     data = make_data()
-    cfg = TrainConfig(mixed_precision="no", max_steps=steps, epochs=4, batch_size=batch_size, micro_batch_size=micro_batch_size,
-                      lr=3e-3, warmup_steps=2, log_every=1, ckpt_every=ckpt_every, strategy=strategy,
-                      num_processes=num_processes, seed=0, target_sharding=target_sharding)
+    cfg = TrainConfig(
+        mixed_precision="no",
+        max_steps=steps,
+        epochs=4,
+        batch_size=batch_size,
+        micro_batch_size=micro_batch_size,
+        lr=3e-3,
+        warmup_steps=2,
+        log_every=1,
+        ckpt_every=ckpt_every,
+        strategy=strategy,
+        num_processes=num_processes,
+        seed=0,
+        target_sharding=target_sharding,
+    )
     if drafter == "draft_model":
-        from draftsmith.drafters.draft_model.config import Section as DraftModelConfig
         from conftest import train_draft_model
+        from draftsmith.drafters.draft_model.config import Section as DraftModelConfig
 
-        draft_cfg = DraftModelConfig(init_from=None, num_hidden_layers=2, hidden_size=16, intermediate_size=32,
-                                     num_attention_heads=2, num_key_value_heads=1)
+        draft_cfg = DraftModelConfig(
+            init_from=None,
+            num_hidden_layers=2,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
         return train_draft_model(target, data, draft_cfg, cfg, out, pad_id=0)
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, VOCAB), 64, always_include=[1])
     return train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg, out, pad_id=0)
@@ -87,15 +115,23 @@ def main() -> None:
     torch.set_num_threads(1)
     if args.snapshot_at:
         keep_checkpoint_at(args.snapshot_at, args.out / f"checkpoint-step{args.snapshot_at}")
-    result = run(args.out, args.strategy, args.num_processes, args.steps, micro_batch_size=args.micro_batch_size,
-                 ckpt_every=args.ckpt_every,
-                 target_sharding=args.target_sharding, drafter=args.drafter)
+    result = run(
+        args.out,
+        args.strategy,
+        args.num_processes,
+        args.steps,
+        micro_batch_size=args.micro_batch_size,
+        ckpt_every=args.ckpt_every,
+        target_sharding=args.target_sharding,
+        drafter=args.drafter,
+    )
     import torch.distributed as dist
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     checksum = {n: float(p.detach().double().sum()) for n, p in result.head.named_parameters()}
-    (args.out / f"rank{rank}.json").write_text(json.dumps({"log": result.log, "sharding": result.sharding,
-                                                           "checksum": checksum}, indent=1))
+    (args.out / f"rank{rank}.json").write_text(
+        json.dumps({"log": result.log, "sharding": result.sharding, "checksum": checksum}, indent=1)
+    )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

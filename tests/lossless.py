@@ -10,6 +10,7 @@ after the prompt is a product of table rows, computed here without sampling (``e
 Counts of every adjacent pair of positions (t_i, t_{i+1}) are tested (scipy, cells expecting < 5 pooled) against
 the exact law and against plain-sampling counts (two-sample homogeneity); a test fails when p < ``ALPHA``.
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,8 @@ from transformers import LlamaConfig
 from draftsmith.core.generate import SpecStats
 from draftsmith.core.sampling import logits_to_probs
 
-V, H, LAYERS = 8, 16, 8                          # 8 layers: EAGLE-3's default aux layers (2, 4, 5) are distinct
-K, NEW = 3, 5                                    # one verify pass covers t2..t5 when all 3 drafts are accepted
+V, H, LAYERS = 8, 16, 8  # 8 layers: EAGLE-3's default aux layers (2, 4, 5) are distinct
+K, NEW = 3, 5  # one verify pass covers t2..t5 when all 3 drafts are accepted
 TRIALS = 2000
 ALPHA = 1e-3
 
@@ -40,15 +41,25 @@ class TrigramLM(nn.Module):
 
     def __init__(self, table: torch.Tensor, seed: int = 0):
         super().__init__()
-        self.config = LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=2 * H, num_hidden_layers=LAYERS,
-                                  num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                                  max_position_embeddings=64, tie_word_embeddings=False, eos_token_id=None,
-                                  pad_token_id=None, bos_token_id=None)
+        self.config = LlamaConfig(
+            vocab_size=V,
+            hidden_size=H,
+            intermediate_size=2 * H,
+            num_hidden_layers=LAYERS,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+            eos_token_id=None,
+            pad_token_id=None,
+            bos_token_id=None,
+        )
         gen = torch.Generator().manual_seed(seed)
         self.table = table
         self.embed = nn.Embedding(V, H)
         self.lm_head = nn.Linear(H, V, bias=False)
-        self.norm = nn.RMSNorm(H)                      # what a draft model warm-starts from (get_decoder().norm)
+        self.norm = nn.RMSNorm(H)  # what a draft model warm-starts from (get_decoder().norm)
         self.config._name_or_path = "trigram-stub"
         self.layer_states = nn.Parameter(torch.randn(LAYERS + 1, V, H, generator=gen), requires_grad=False)
 
@@ -69,7 +80,7 @@ class TrigramLM(nn.Module):
             keys = ids.float().view(1, 1, -1, 1)
             cache.update(keys, keys, layer)
         hidden = tuple(self.layer_states[i][ids][None] for i in range(LAYERS + 1)) if output_hidden_states else None
-        self.lm_head(self.layer_states[LAYERS][ids][None])   # applied once like a real LM's head: the MLP
+        self.lm_head(self.layer_states[LAYERS][ids][None])  # applied once like a real LM's head: the MLP
         # speculator reads its input (TargetModel final_hidden); the logits still come from the table
         return SimpleNamespace(logits=self.table[prev, ids][None], hidden_states=hidden)
 
@@ -79,7 +90,7 @@ def _table(seed: int, scale: float = 1.5) -> torch.Tensor:
 
 
 TARGET_TABLE = _table(0)
-DRAFT_TABLE = TARGET_TABLE + _table(1, scale=1.0)          # close to the target: drafts accepted often, not always
+DRAFT_TABLE = TARGET_TABLE + _table(1, scale=1.0)  # close to the target: drafts accepted often, not always
 
 
 def _greedy_chain(start: list[int], n: int) -> list[int]:
@@ -96,12 +107,13 @@ PROMPT = _greedy_chain(list(range(V)), 10)
 
 def exact_law(settings: dict) -> torch.Tensor:
     """P(t1..t_NEW | PROMPT) as a [V] * NEW tensor, from the table with temperature/top-k/top-p applied."""
-    p = logits_to_probs(TARGET_TABLE, **settings)                  # [V, V, V]: p[a, b] = law of the token after a, b
-    law = p[PROMPT[-2], PROMPT[-1]]                                 # [V]      law of t1
-    law = law[:, None] * p[PROMPT[-1]]                              # [V, V]   law of t1 t2
-    for _ in range(NEW - 2):                                        # [V] * n  times p[t_{n-1}, t_n, t_{n+1}]
+    p = logits_to_probs(TARGET_TABLE, **settings)  # [V, V, V]: p[a, b] = law of the token after a, b
+    law = p[PROMPT[-2], PROMPT[-1]]  # [V]      law of t1
+    law = law[:, None] * p[PROMPT[-1]]  # [V, V]   law of t1 t2
+    for _ in range(NEW - 2):  # [V] * n  times p[t_{n-1}, t_n, t_{n+1}]
         law = law[..., None] * p.reshape((1,) * (law.dim() - 2) + (V, V, V))
     return law
+
 
 def word_tokenizer():
     """A whitespace word tokenizer of the stub's V tokens ``t0`` .. ``t7``, no special tokens (none ends a
@@ -162,8 +174,9 @@ def check_counters(stats: SpecStats) -> None:
     assert 0 <= stats.acceptance_rate <= 1 and 1 <= stats.acceptance_length <= 1 + stats.k
 
 
-def run_trials(target, make_proposer, settings: dict, trials: int = TRIALS, k: int = K
-               ) -> tuple[torch.Tensor, SpecStats]:
+def run_trials(
+    target, make_proposer, settings: dict, trials: int = TRIALS, k: int = K
+) -> tuple[torch.Tensor, SpecStats]:
     """Sequences ``[trials, NEW]`` decoded from ``PROMPT`` with target seeds 0..trials-1, and the summed counters.
 
     ``target``: a ``core.target.TargetModel``; ``make_proposer(seed)``: a fresh proposer for the trial seeded

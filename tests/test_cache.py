@@ -1,4 +1,5 @@
 """KV-cache rollback (``inference/cache.py``) and the cached target forward (``inference/target.py``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -11,7 +12,7 @@ from draftsmith.core.target import TargetModel
 
 def _full_logits(model, ids: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
-        return model(input_ids=ids[None]).logits[0]                      # [T, V]
+        return model(input_ids=ids[None]).logits[0]  # [T, V]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -24,7 +25,7 @@ def test_crop_then_refeed_equals_fresh_forward(tiny_llama, arch):
     assert cache.length == 12
     cache.crop(7)
     assert cache.length == 7
-    refed = target.forward(ids[7:], cache).logits                       # positions 7..11 again
+    refed = target.forward(ids[7:], cache).logits  # positions 7..11 again
     torch.testing.assert_close(refed, _full_logits(model, ids)[7:], atol=1e-5, rtol=1e-5)
     # roll back and continue with DIFFERENT tokens: must equal a fresh forward of the new sequence
     cache.crop(4)
@@ -35,17 +36,25 @@ def test_crop_then_refeed_equals_fresh_forward(tiny_llama, arch):
 
 
 def test_crop_past_a_sliding_window():
-    config = tf.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                              num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
-                              max_position_embeddings=128, tie_word_embeddings=False)
+    config = tf.MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=5,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     model = tf.MistralForCausalLM(config).eval()
     target = TargetModel(model)
     ids = torch.randint(0, 64, (14,), generator=torch.Generator().manual_seed(1))
     cache = target.new_cache()
-    target.forward(ids[:9], cache)                                      # window already full
+    target.forward(ids[:9], cache)  # window already full
     target.forward(ids[9:12], cache)
-    cache.crop(10)                                                      # drop 2 tokens beyond the window
+    cache.crop(10)  # drop 2 tokens beyond the window
     logits = target.forward(ids[10:], cache).logits
     torch.testing.assert_close(logits, _full_logits(model, ids)[10:], atol=1e-5, rtol=1e-5)
 
@@ -73,7 +82,7 @@ def test_chunked_forward_positions_and_aux_hidden(tiny_llama):
     assert logits.dtype == torch.float32 and logits.shape == (10, 96)
     assert aux.shape == (10, 3 * 32)
     torch.testing.assert_close(logits, full.logits[0], atol=1e-5, rtol=1e-5)
-    expected = torch.cat([full.hidden_states[i][0] for i in (1, 3, 4)], dim=-1)   # low -> mid -> high
+    expected = torch.cat([full.hidden_states[i][0] for i in (1, 3, 4)], dim=-1)  # low -> mid -> high
     torch.testing.assert_close(aux, expected, atol=1e-5, rtol=1e-5)
     assert TargetModel(model).forward(ids, TargetModel(model).new_cache()).aux_hidden is None
 

@@ -1,6 +1,7 @@
 """The capture dtype (the dtype of the target states a drafter was trained on) is recorded in draftsmith.json
 and compared with the dtype the serving target runs in: a difference warns, naming both, as a different
 revision does; a record without it (older exports) is still served, with a note."""
+
 import copy
 import json
 import logging
@@ -17,7 +18,7 @@ def test_identity_records_the_dtype_the_target_runs_in(tiny_llama):
     assert target_identity(target)["dtype"] == "float32"
     assert target_identity(copy.deepcopy(target).to(torch.bfloat16))["dtype"] == "bfloat16"
     assert target_dtype({"torch_dtype": "float16"}) == target_dtype({"dtype": "float16"}) == "float16"
-    assert target_dtype({"dtype": "auto"}) is None and target_dtype(target.config) is None   # unknown: in memory
+    assert target_dtype({"dtype": "auto"}) is None and target_dtype(target.config) is None  # unknown: in memory
 
 
 def export_each(kind, target, tok, out, tiny_llama):
@@ -32,8 +33,9 @@ def export_each(kind, target, tok, out, tiny_llama):
         from draftsmith.drafters.mlp_speculator.export import export_mlp_speculator
         from draftsmith.drafters.mlp_speculator.head import MLPSpeculator, MLPSpeculatorConfig
 
-        return export_mlp_speculator(MLPSpeculator(MLPSpeculatorConfig.from_target(target.config, n_predict=2)),
-                                     out, ident)
+        return export_mlp_speculator(
+            MLPSpeculator(MLPSpeculatorConfig.from_target(target.config, n_predict=2)), out, ident
+        )
     from draftsmith.drafters.draft_model.export import export_draft_model
 
     return export_draft_model(tiny_llama(seed=8, num_hidden_layers=1), tok, out, ident)
@@ -47,7 +49,7 @@ def test_a_target_in_another_dtype_warns_naming_both(kind, tiny_llama, word_toke
     assert not [w for w in check_head(out, target, tok).warnings if "dtype" in w]
     served = copy.deepcopy(target).to(torch.bfloat16)
     with caplog.at_level(logging.WARNING, logger="draftsmith.export.check"):
-        report = check_head(out, served, tok)                        # a warning, never a refusal
+        report = check_head(out, served, tok)  # a warning, never a refusal
     (warning,) = [w for w in report.warnings if "dtype" in w]
     assert "'float32'" in warning and "'bfloat16'" in warning and "capture dtype" in warning, warning
     assert warning in caplog.text and warning in report.summary() and warning in report.record()["warnings"]
@@ -57,7 +59,7 @@ def test_an_export_without_a_recorded_dtype_still_checks(tiny_llama, word_tokeni
     target, tok = tiny_llama(seed=1), word_tokenizer()
     out = export_each("eagle3", target, tok, tmp_path / "old", tiny_llama)
     meta = json.loads((out / "draftsmith.json").read_text())
-    del meta["target"]["dtype"]                                       # written before the field existed
+    del meta["target"]["dtype"]  # written before the field existed
     (out / "draftsmith.json").write_text(json.dumps(meta))
     report = check_head(out, copy.deepcopy(target).to(torch.bfloat16), tok)
     assert any("records no capture dtype" in w and "'bfloat16'" in w for w in report.warnings), report.warnings
@@ -70,12 +72,13 @@ def test_cli_check_loads_the_target_in_the_dtype_asked(tiny_llama, word_tokenize
     target, tok = tiny_llama(seed=1), word_tokenizer()
     out = export_each("eagle3", target, tok, tmp_path / "head", tiny_llama)
     asked = []
-    target.save_pretrained(tmp_path / "tiny")           # the CLI checks that the target exists before loading
+    target.save_pretrained(tmp_path / "tiny")  # the CLI checks that the target exists before loading
     tok.save_pretrained(tmp_path / "tiny")
 
     def load(name, revision=None, dtype="float32", role="model"):
         asked.append(dtype)
         return copy.deepcopy(target).to(models.DTYPES[dtype]), tok
+
     monkeypatch.setattr(models, "load_causal_lm", load)
     tiny = str(tmp_path / "tiny")
     assert main(["check", str(out), "--target", tiny, "--dtype", "bfloat16"]) == 0

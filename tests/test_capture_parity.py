@@ -7,24 +7,33 @@ equal the target's own logits. Checked for a Llama and a Qwen3 (q/k norms) targe
 bfloat16, for a one-pass prefill (bit-identical) and for the runtime's chunked decoding (prefill then
 one token per forward through the KV cache, equal to float rounding).
 """
+
 import pytest
 import torch
 
+from draftsmith.core.target import TargetModel
 from draftsmith.data_pipeline.capture import capture
 from draftsmith.data_pipeline.shards import ShardError, ShardReader, write_shards
-from draftsmith.core.target import TargetModel
 
-AUX = (0, 2, 3)          # a 4-layer target: the embedding output, and the inputs of layers 2 and 3
+AUX = (0, 2, 3)  # a 4-layer target: the embedding output, and the inputs of layers 2 and 3
 CONVERSATIONS = [
-    {"messages": [{"role": "user", "content": "Add two numbers"},
-                  {"role": "assistant", "content": "def add(a, b):\n    return a + b"}]},
-    {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"},
-                  {"role": "assistant", "content": "how are you?"}, {"role": "user", "content": "more"},
-                  {"role": "assistant", "content": "Hello"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "Add two numbers"},
+            {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+        ]
+    },
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Hello there"},
+            {"role": "assistant", "content": "how are you?"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "Hello"},
+        ]
+    },
     {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]},
 ]
-
-
 
 
 CASES = [("llama", torch.float32), ("qwen3", torch.float32), ("llama", torch.bfloat16)]
@@ -36,8 +45,18 @@ def captured(request, tiny_llama, chatml, tmp_path_factory):
     arch, dtype = request.param
     target = tiny_llama(seed=7, vocab_size=len(chatml), arch=arch).to(dtype)
     out = tmp_path_factory.mktemp(f"cap-{arch}-{dtype}")
-    write_shards(target, chatml, CONVERSATIONS, out, AUX, max_length=64, shard_size=2, batch_size=1,
-                 target_name="tiny", progress=False)
+    write_shards(
+        target,
+        chatml,
+        CONVERSATIONS,
+        out,
+        AUX,
+        max_length=64,
+        shard_size=2,
+        batch_size=1,
+        target_name="tiny",
+        progress=False,
+    )
     return target, ShardReader(out), arch
 
 
@@ -48,21 +67,21 @@ def test_aux_states_equal_the_runtimes_at_each_layer_id(captured):
     assert len(reader) == len(CONVERSATIONS)
     for seq in reader:
         step = runtime.forward(seq.input_ids, runtime.new_cache())
-        assert step.aux_hidden.dtype == seq.aux_hidden.dtype == reader.capture_dtype   # what the head is fed
-        assert torch.equal(step.aux_hidden, seq.aux_hidden)                               # [T, 3H]
-        for k, layer in enumerate(AUX):                                                   # and layer by layer
+        assert step.aux_hidden.dtype == seq.aux_hidden.dtype == reader.capture_dtype  # what the head is fed
+        assert torch.equal(step.aux_hidden, seq.aux_hidden)  # [T, 3H]
+        for k, layer in enumerate(AUX):  # and layer by layer
             alone = TargetModel(target, aux_layer_ids=(layer,)).forward(seq.input_ids, runtime.new_cache())
-            assert torch.equal(alone.aux_hidden, seq.aux_hidden[:, k * hidden:(k + 1) * hidden]), f"layer {layer}"
+            assert torch.equal(alone.aux_hidden, seq.aux_hidden[:, k * hidden : (k + 1) * hidden]), f"layer {layer}"
         online = capture(target, seq.input_ids[None], AUX, attention_mask=torch.ones_like(seq.input_ids)[None])
-        assert torch.equal(online.aux_hidden[0], step.aux_hidden)                         # what training uses
+        assert torch.equal(online.aux_hidden[0], step.aux_hidden)  # what training uses
 
 
 def test_logits_rebuilt_from_captured_states_equal_the_targets(captured):
     target, reader, _ = captured
     runtime = TargetModel(target, aux_layer_ids=AUX)
     for seq in reader:
-        rebuilt = ShardReader.target_logits(target.lm_head, seq.final_hidden).float()      # [T, V]
-        own = runtime.forward(seq.input_ids, runtime.new_cache()).logits                  # [T, V] float32
+        rebuilt = ShardReader.target_logits(target.lm_head, seq.final_hidden).float()  # [T, V]
+        own = runtime.forward(seq.input_ids, runtime.new_cache()).logits  # [T, V] float32
         assert torch.equal(rebuilt, own)
         with torch.no_grad():
             plain = target(input_ids=seq.input_ids[None]).logits[0].float()
@@ -77,7 +96,7 @@ def test_runtime_decoding_through_the_cache_matches_the_capture(captured):
     for seq in reader:
         cache, split = runtime.new_cache(), seq.input_ids.numel() // 2
         steps = [runtime.forward(seq.input_ids[:split], cache)]
-        steps += [runtime.forward(seq.input_ids[t:t + 1], cache) for t in range(split, seq.input_ids.numel())]
+        steps += [runtime.forward(seq.input_ids[t : t + 1], cache) for t in range(split, seq.input_ids.numel())]
         aux = torch.cat([s.aux_hidden for s in steps])
         logits = torch.cat([s.logits for s in steps])
         torch.testing.assert_close(aux.float(), seq.aux_hidden.float(), **tol)

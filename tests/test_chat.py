@@ -1,4 +1,5 @@
 """Assistant-only loss masks from prefix rendering, against hand-labelled spans."""
+
 import pytest
 import torch
 
@@ -16,11 +17,13 @@ def supervised_text(tok, r):
 
 
 def test_only_assistant_answers_are_supervised(chatml):
-    messages = [{"role": "system", "content": "You are terse."},
-                {"role": "user", "content": "Add two numbers."},
-                {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
-                {"role": "user", "content": "Thanks"},
-                {"role": "assistant", "content": "Hello there"}]
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Add two numbers."},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+        {"role": "user", "content": "Thanks"},
+        {"role": "assistant", "content": "Hello there"},
+    ]
     r = render(chatml, messages)
     assert supervised_text(chatml, r) == "def add(a, b):\n    return a + b<|im_end|>Hello there<|im_end|>"
     assert r.input_ids.shape == r.loss_mask.shape and r.loss_mask.dtype == torch.bool
@@ -32,8 +35,10 @@ def test_only_assistant_answers_are_supervised(chatml):
 
 
 def test_think_blocks_are_not_supervised(chatml):
-    messages = [{"role": "user", "content": "Hi"},
-                {"role": "assistant", "content": "<think>\nthe user greets me\n</think>\n\nHello there"}]
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nthe user greets me\n</think>\n\nHello there"},
+    ]
     _, spans = supervised_spans(chatml, messages)
     full = supervised_spans(chatml, messages)[0]
     assert "".join(full[a:b] for a, b in spans) == "Hello there<|im_end|>"

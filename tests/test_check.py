@@ -1,4 +1,5 @@
 """`check_head` / `load_eagle3`: every refusal names its field; overrides and warnings are explicit."""
+
 import json
 import logging
 
@@ -6,12 +7,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from draftsmith.export.check import HeadMismatchError
+from draftsmith.data_pipeline.vocab import build_vocab_map
 from draftsmith.drafters.eagle3.check import check_head, load_eagle3
-from draftsmith.identity import file_sha256, target_identity, tensor_sha256
 from draftsmith.drafters.eagle3.export import export_eagle3
 from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
-from draftsmith.data_pipeline.vocab import build_vocab_map
+from draftsmith.export.check import HeadMismatchError
+from draftsmith.identity import file_sha256, target_identity, tensor_sha256
 
 V = 96
 
@@ -45,8 +46,10 @@ def rewrite(head_dir, mutate_weights=None, mutate_meta=None):
 
 def refusal(head_dir, target, tok, field, *words, **kw):
     """Both entry points refuse with ``field`` named in the message (plus ``words``)."""
-    for call in (lambda: check_head(head_dir, target.config, tok, **kw),
-                 lambda: load_eagle3(head_dir, target_model=target, tokenizer=tok, **kw)):
+    for call in (
+        lambda: check_head(head_dir, target.config, tok, **kw),
+        lambda: load_eagle3(head_dir, target_model=target, tokenizer=tok, **kw),
+    ):
         with pytest.raises(HeadMismatchError) as err:
             call()
         assert err.value.field == field and field in str(err.value), str(err.value)
@@ -108,8 +111,9 @@ def test_all_mismatches_listed_together(exported, tiny_llama, word_tokenizer):
 def test_revision_and_chat_template_only_warn(exported, caplog, word_tokenizer):
     target, _, head_dir = exported
     with caplog.at_level(logging.WARNING, logger="draftsmith.export.check"):
-        report = check_head(head_dir, target.config, word_tokenizer(template="{{ messages }}"),
-                            name_or_path="tiny/llama")
+        report = check_head(
+            head_dir, target.config, word_tokenizer(template="{{ messages }}"), name_or_path="tiny/llama"
+        )
     assert any("chat_template_sha256" in w for w in report.warnings)
     assert "chat_template_sha256" in caplog.text
     target.config._commit_hash = "r2"
@@ -153,8 +157,9 @@ def test_duplicate_and_out_of_range_d2t(exported):
 
     def duplicate(sd):
         d2t = sd["d2t"].clone()
-        d2t[1] = d2t[0] - 1                    # draft ids 0 and 1 -> the same target id
+        d2t[1] = d2t[0] - 1  # draft ids 0 and 1 -> the same target id
         sd["d2t"] = d2t
+
     rewrite(head_dir, mutate_weights=duplicate)
     refusal(head_dir, target, tok, "d2t", "same target id")
 
@@ -162,6 +167,7 @@ def test_duplicate_and_out_of_range_d2t(exported):
         d2t = torch.arange(48) * 0
         d2t[-1] = 500
         sd["d2t"] = d2t
+
     rewrite(head_dir, mutate_weights=out_of_range)
     refusal(head_dir, target, tok, "d2t", "outside")
 
@@ -171,6 +177,7 @@ def test_aux_layers_out_of_range_or_unknown_convention(exported):
 
     def far(m):
         m["aux_layer_ids"] = m["head_config"]["aux_layer_ids"] = [1, 2, 7]
+
     rewrite(head_dir, mutate_meta=far)
     refusal(head_dir, target, tok, "aux_layer_ids", "[0, 3]")
     rewrite(head_dir, mutate_meta=lambda m: m.update(aux_layer_convention="sglang"))
@@ -217,7 +224,7 @@ def exported_all(tiny_llama, tmp_path, word_tokenizer):
 
 def test_method_in_config_disagrees_with_metadata(exported_all):
     target, tok, head_dir = exported_all
-    edit_config(head_dir, architectures=["LlamaForCausalLMEagle"])           # an EAGLE-1 drafter's class
+    edit_config(head_dir, architectures=["LlamaForCausalLMEagle"])  # an EAGLE-1 drafter's class
     refusal(head_dir, target, tok, "method", "'eagle'", "'eagle3'", "config.json")
     edit_config(head_dir, architectures=["LlamaForCausalLMEagle3"])
     check_head(head_dir, target, tok)
@@ -236,12 +243,12 @@ def test_unknown_norm_flag(exported_all):
 
 def test_unsupported_norm_flag(exported_all):
     target, tok, head_dir = exported_all
-    edit_config(head_dir, norm_before_residual=True)                         # vLLM would serve another layer
+    edit_config(head_dir, norm_before_residual=True)  # vLLM would serve another layer
     refusal(head_dir, target, tok, "norm_before_residual", "True", "False")
     edit_config(head_dir, norm_before_residual=False, fc_norm=True)
     refusal(head_dir, target, tok, "fc_norm")
     edit_config(head_dir, fc_norm=False)
-    edit_config(head_dir, "speculators/config.json", norm_before_residual=None)   # vLLM's default there is true
+    edit_config(head_dir, "speculators/config.json", norm_before_residual=None)  # vLLM's default there is true
     refusal(head_dir, target, tok, "norm_before_residual", "default to true")
     edit_config(head_dir, "speculators/config.json", norm_before_residual=False)
     rewrite(head_dir, mutate_meta=lambda m: m["head_config"].update(norm_before_residual=True))
@@ -253,10 +260,10 @@ def test_config_aux_layers_disagree_with_metadata(exported_all):
     cfg = json.loads((head_dir / "config.json").read_text())
     hf_ids = cfg["eagle_aux_hidden_state_layer_ids"]
     edit_config(head_dir, eagle_config={"eagle_aux_hidden_state_layer_ids": hf_ids, "use_aux_hidden_state": True})
-    msg = refusal(head_dir, target, tok, "aux_layer_ids", "SGLang")           # written in the wrong numbering
+    msg = refusal(head_dir, target, tok, "aux_layer_ids", "SGLang")  # written in the wrong numbering
     assert str(tuple(i + 1 for i in hf_ids)) in msg
     edit_config(head_dir, eagle_config=cfg["eagle_config"], eagle_aux_hidden_state_layer_ids=None)
-    msg = refusal(head_dir, target, tok, "aux_layer_ids", "vLLM")            # vLLM falls back unconverted
+    msg = refusal(head_dir, target, tok, "aux_layer_ids", "vLLM")  # vLLM falls back unconverted
     assert "eagle_config.eagle_aux_hidden_state_layer_ids" in msg
 
 
@@ -282,30 +289,34 @@ def test_format_subdir_loads_its_own_weights_checked(exported_all):
     data[-3] ^= 0x01
     path.write_bytes(bytes(data))
     refusal(head_dir / "speculators", target, tok, "weights", "speculators/model.safetensors", "sha256")
-    refusal(head_dir, target, tok, "weights", "speculators/model.safetensors")   # the root lists it too
+    refusal(head_dir, target, tok, "weights", "speculators/model.safetensors")  # the root lists it too
 
 
 def test_tensor_parallel_layout(exported):
-    target, tok, head_dir = exported                     # 4 heads, 2 KV heads, intermediate 64 (head and target)
+    target, tok, head_dir = exported  # 4 heads, 2 KV heads, intermediate 64 (head and target)
     assert check_head(head_dir, target, tok, tensor_parallel_size=2).tensor_parallel_size == 2
     with pytest.raises(HeadMismatchError) as err:
         check_head(head_dir, target, tok, tensor_parallel_size=3)
     msg = str(err.value)
     assert err.value.field == "tensor_parallel_size" and "Fix:" in msg
-    for what in ("head: num_attention_heads 4", "head: num_key_value_heads 2", "head: intermediate_size 64",
-                 "target: num_attention_heads 4"):
+    for what in (
+        "head: num_attention_heads 4",
+        "head: num_key_value_heads 2",
+        "head: intermediate_size 64",
+        "target: num_attention_heads 4",
+    ):
         assert what in msg, (what, msg)
 
 
 def test_cli_check_refuses_and_names_field(exported, monkeypatch, capsys):
+    from huggingface_hub import constants
+
     import draftsmith.models as models
     from draftsmith.cli import main
 
-    from huggingface_hub import constants
-
     target, tok, head_dir = exported
     monkeypatch.setattr(models, "load_causal_lm", lambda *a, **k: (target, tok))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)   # offline, the CLI refuses a Hub id not in the cache
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # offline, the CLI refuses a Hub id not in the cache
     assert main(["check", str(head_dir), "--target", "tiny/llama", "--tensor-parallel-size", "2"]) == 0
     assert "shard over 2 ranks" in capsys.readouterr().out
     assert main(["check", str(head_dir), "--target", "tiny/llama", "--tensor-parallel-size", "3"]) == 1
@@ -314,8 +325,8 @@ def test_cli_check_refuses_and_names_field(exported, monkeypatch, capsys):
 
 def test_override_is_logged_and_written_into_the_eval_record(exported, tmp_path, caplog, word_tokenizer):
     """`draftsmith eval --allow-mismatch tokenizer_sha256`: the report's head_check names the field and both hashes."""
-    from draftsmith.pipeline.stages import run_eval
     from draftsmith.pipeline.recipe import Recipe
+    from draftsmith.pipeline.stages import run_eval
 
     target, _, head_dir = exported
     other = word_tokenizer(rename={40: "zz"})

@@ -4,6 +4,7 @@
 Most tests run ``cli.main`` in this process (capsys); two run a subprocess: the no-torch check (many mistakes in
 one interpreter) and one end-to-end run of ``python -m draftsmith.cli``.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -28,7 +29,7 @@ def fails(capsys, argv, status=1) -> str:
     """Run ``draftsmith ARGV``; assert exit ``status`` and ONE line on stderr, no traceback; return that line."""
     try:
         rc = cli.main(argv)
-    except SystemExit as e:             # argparse's own errors exit
+    except SystemExit as e:  # argparse's own errors exit
         rc = e.code
     err = capsys.readouterr().err
     assert rc == status, (rc, err)
@@ -65,6 +66,7 @@ def copy_folder(src: Path, dst: Path) -> Path:
 
 # --- recipes: files, YAML syntax, the boolean trap ------------------------------------------------------------
 
+
 def test_recipe_yaml_syntax_error_names_file_and_line(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: x\ntrain:\n  lr: [1, 2\n")
@@ -83,14 +85,15 @@ def test_recipe_file_missing_directory_unreadable_not_utf8(tmp_path, capsys, mon
 
     def denied(self, *a, **k):
         raise PermissionError(errno.EACCES, "Permission denied", str(self))
-    monkeypatch.setattr(Path, "read_text", denied)          # root reads a chmod 000 file, so simulate it
+
+    monkeypatch.setattr(Path, "read_text", denied)  # root reads a chmod 000 file, so simulate it
     line = fails(capsys, ["prepare", str(locked)])
     assert "cannot be read (Permission denied)" in line and "fix its permissions" in line
 
 
 def test_override_yaml_and_shape_errors(capsys):
     assert "must look like key.path=value" in fails(capsys, ["prepare", str(cli.DEFAULT_RECIPE), "train.lr"])
-    line = fails(capsys, ["prepare", "train.lr=[1"])          # the first positional is an override here
+    line = fails(capsys, ["prepare", "train.lr=[1"])  # the first positional is an override here
     assert "override 'train.lr=[1'" in line and "not valid YAML" in line
 
 
@@ -110,13 +113,16 @@ def test_unquoted_no_reads_as_the_option_no():
     assert load_config(Precision, None, ["mixed_precision=off"]).mixed_precision == "no"
 
 
-@pytest.mark.parametrize("override, expect", [
-    ("strategy=no", "this key takes one of 'auto', 'single'"),
-    ("name=no", 'quote it, e.g. name: "no"'),
-    ("revision=on", 'quote it, e.g. revision: "yes"'),
-    ("revision=2024", 'revision: "2024"'),
-    ("out_dir=off", 'out_dir: "no"'),
-])
+@pytest.mark.parametrize(
+    "override, expect",
+    [
+        ("strategy=no", "this key takes one of 'auto', 'single'"),
+        ("name=no", 'quote it, e.g. name: "no"'),
+        ("revision=on", 'quote it, e.g. revision: "yes"'),
+        ("revision=2024", 'revision: "2024"'),
+        ("out_dir=off", 'out_dir: "no"'),
+    ],
+)
 def test_unquoted_boolean_or_number_for_a_string_says_quote_it(override, expect):
     with pytest.raises(ConfigError) as err:
         load_config(Precision, None, [override])
@@ -136,7 +142,7 @@ def test_recipe_boolean_trap_through_the_cli(tmp_path, capsys):
     recipe.write_text("name: no\n")
     line = fails(capsys, ["prepare", str(recipe)])
     assert 'name: "no"' in line and "expected str" not in line
-    assert 'name=\'"no"\'' in fails(capsys, ["prepare", "name=off"])
+    assert "name='\"no\"'" in fails(capsys, ["prepare", "name=off"])
 
 
 def test_recipe_target_and_dtype_checked_before_loading(capsys, monkeypatch):
@@ -152,6 +158,7 @@ def test_recipe_target_and_dtype_checked_before_loading(capsys, monkeypatch):
 
 
 # --- targets, draft models, heads -----------------------------------------------------------------------------
+
 
 def test_target_nonexistent_and_offline_hub_id(capsys, offline):
     line = fails(capsys, ["generate", "--target", "/nonexistent", "--prompt", "hi"])
@@ -171,7 +178,7 @@ def test_load_causal_lm_names_the_problem(tmp_path, tiny_llama, offline):
     no_tokenizer = tmp_path / "no-tokenizer"
     tiny_llama(num_hidden_layers=1).save_pretrained(no_tokenizer)
     with pytest.raises(ModelSourceError, match=r"draft model '.*no-tokenizer' could not be loaded: .*; "):
-        load_causal_lm(str(no_tokenizer), role="draft model")      # transformers' error, one line with a fix
+        load_causal_lm(str(no_tokenizer), role="draft model")  # transformers' error, one line with a fix
 
 
 def test_truncated_safetensors_in_a_plain_draft_model_folder(tmp_path, model_dir, capsys):
@@ -190,9 +197,11 @@ def test_safetensors_header_checks(tmp_path, model_dir):
 
     data = (model_dir / "model.safetensors").read_bytes()
     check_safetensors_file(model_dir / "model.safetensors")
-    for name, content, expect in (("padded", data + b"xx", "2 bytes past its last tensor"),
-                                  ("tiny", data[:5], "too short for its header"),
-                                  ("garbage", data[:8] + b"{" * (len(data) - 8), "corrupted safetensors header")):
+    for name, content, expect in (
+        ("padded", data + b"xx", "2 bytes past its last tensor"),
+        ("tiny", data[:5], "too short for its header"),
+        ("garbage", data[:8] + b"{" * (len(data) - 8), "corrupted safetensors header"),
+    ):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ModelSourceError, match=expect):
             check_safetensors_file(tmp_path / name)
@@ -241,19 +250,23 @@ def test_head_arguments(tmp_path, model_dir, capsys):
 
 # --- argument values ------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("argv, expect", [
-    (["serve", "--dtype", "float99"], "argument --dtype: 'float99' is not a dtype draftsmith loads; pass one of"),
-    (["serve", "--port", "99999"], "argument --port: 99999 is not a TCP port; pass a number in 1-65535"),
-    (["generate", "--prompt", "x", "--speculative-config", "{bad"], "is not JSON"),
-    (["generate", "--prompt", "x", "--speculative-config", "[1]"], "JSON but not an object"),
-    (["eval", "--drafter", "x=3"], "the part after '=' must be a JSON object"),
-    (["eval", "--k", "0"], "argument --k: 0 is below 1"),
-    (["eval", "--tasks", "poetry"], "invalid choice: 'poetry'"),
-    (["generate", "--prompt", "x", "--temperature", "-1"], "out of range"),
-    (["check", "h", "--tensor-parallel-size", "zero"], "'zero' is not an integer"),
-    (["bench", "--num-prompts", "0"], "argument --num-prompts: 0 is below 1"),
-    (["bench", "--url", "localhost:8000"], "is not a server URL"),
-])
+
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["serve", "--dtype", "float99"], "argument --dtype: 'float99' is not a dtype draftsmith loads; pass one of"),
+        (["serve", "--port", "99999"], "argument --port: 99999 is not a TCP port; pass a number in 1-65535"),
+        (["generate", "--prompt", "x", "--speculative-config", "{bad"], "is not JSON"),
+        (["generate", "--prompt", "x", "--speculative-config", "[1]"], "JSON but not an object"),
+        (["eval", "--drafter", "x=3"], "the part after '=' must be a JSON object"),
+        (["eval", "--k", "0"], "argument --k: 0 is below 1"),
+        (["eval", "--tasks", "poetry"], "invalid choice: 'poetry'"),
+        (["generate", "--prompt", "x", "--temperature", "-1"], "out of range"),
+        (["check", "h", "--tensor-parallel-size", "zero"], "'zero' is not an integer"),
+        (["bench", "--num-prompts", "0"], "argument --num-prompts: 0 is below 1"),
+        (["bench", "--url", "localhost:8000"], "is not a server URL"),
+    ],
+)
 def test_bad_argument_values_get_one_line(argv, expect, capsys):
     line = fails(capsys, argv, status=2)
     assert expect in line and f"see `draftsmith {argv[0]} --help`" in line, line
@@ -284,27 +297,40 @@ def test_bench_checks(tmp_path, capsys):
 
 # --- the boundary: Ctrl+C, operating-system errors, the unexpected ------------------------------------------
 
+
 def _raising(error):
     def fn(args):
         raise error
+
     return fn
 
 
 def test_ctrl_c_is_one_line(capsys, monkeypatch):
     monkeypatch.setattr(cli, "cmd_train", _raising(KeyboardInterrupt()))
     line = fails(capsys, ["train"], status=130)
-    assert line == ("draftsmith train: interrupted (Ctrl+C); rerun the same command: training resumes from its "
-                    "last checkpoint (written every train.ckpt_every steps)")
+    assert line == (
+        "draftsmith train: interrupted (Ctrl+C); rerun the same command: training resumes from its "
+        "last checkpoint (written every train.ckpt_every steps)"
+    )
 
 
-@pytest.mark.parametrize("error, expect", [
-    (PermissionError(errno.EACCES, "Permission denied", "runs/x"), "runs/x: permission denied; fix its permissions"),
-    (IsADirectoryError(errno.EISDIR, "Is a directory", "runs/x"), "runs/x: is a directory where a file is expected"),
-    (OSError(errno.ENOSPC, "No space left on device", "runs/x"), "no space left on the device of runs/x"),
-    (FileNotFoundError(errno.ENOENT, "No such file or directory", "a.jsonl"), "a.jsonl: no such file or directory"),
-    (KeyError("unknown held-out task 'x'; known: a, b"), "error: unknown held-out task 'x'; known: a, b"),
-    (ValueError("first line\n  - advice"), "error: first line; advice"),
-])
+@pytest.mark.parametrize(
+    "error, expect",
+    [
+        (
+            PermissionError(errno.EACCES, "Permission denied", "runs/x"),
+            "runs/x: permission denied; fix its permissions",
+        ),
+        (
+            IsADirectoryError(errno.EISDIR, "Is a directory", "runs/x"),
+            "runs/x: is a directory where a file is expected",
+        ),
+        (OSError(errno.ENOSPC, "No space left on device", "runs/x"), "no space left on the device of runs/x"),
+        (FileNotFoundError(errno.ENOENT, "No such file or directory", "a.jsonl"), "a.jsonl: no such file or directory"),
+        (KeyError("unknown held-out task 'x'; known: a, b"), "error: unknown held-out task 'x'; known: a, b"),
+        (ValueError("first line\n  - advice"), "error: first line; advice"),
+    ],
+)
 def test_os_and_library_errors_by_kind(error, expect, capsys, monkeypatch):
     monkeypatch.setattr(cli, "cmd_prepare", _raising(error))
     line = fails(capsys, ["prepare"])
@@ -366,9 +392,15 @@ def test_configuration_errors_do_not_import_torch(tmp_path):
         "    except SystemExit as e:\n"
         "        codes.append(e.code)\n"
         "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors.torch') if m in sys.modules)\n"
-        "print(json.dumps({'codes': codes, 'heavy': heavy}))\n")
-    out = subprocess.run([sys.executable, "-c", script, json.dumps(cases)], capture_output=True, text=True,
-                         timeout=300, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+        "print(json.dumps({'codes': codes, 'heavy': heavy}))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(cases)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["heavy"] == [], result
     assert all(code in (1, 2) for code in result["codes"]), (result, out.stderr)
@@ -378,8 +410,13 @@ def test_configuration_errors_do_not_import_torch(tmp_path):
 
 
 def test_entry_point_prints_one_line_not_a_traceback():
-    out = subprocess.run([sys.executable, "-m", "draftsmith.cli", "prepare", "name=no"], capture_output=True,
-                         text=True, timeout=300, env=os.environ | {"HF_HUB_OFFLINE": "1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "draftsmith.cli", "prepare", "name=no"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=os.environ | {"HF_HUB_OFFLINE": "1"},
+    )
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert lines == [lines[0]] and lines[0].startswith("draftsmith prepare: error: name: YAML read an unquoted")

@@ -15,6 +15,7 @@ Each test is parametrised over ``drafters.names()``; a drafter is served from wh
 A drafter that cannot meet a contract says so in ``Drafter.opt_outs`` (contract name -> reason); the test is
 then skipped with that reason, and ``test_opt_outs_name_contracts`` keeps those names honest.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,11 +52,15 @@ def test_opt_outs_name_contracts():
 
 # --------------------------------------------------------------------------------------------- targets
 
+
 def tiny_target():
     """A random 8-layer Llama (hidden 32, V = 96) and a word tokenizer; the prompts repeat, so lookup accepts."""
     tok = make_word_tokenizer(96)
-    return make_tiny_llama(seed=11, num_hidden_layers=8), tok, [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6],
-                                                                [20, 21, 22, 20, 21, 22, 23]]
+    return (
+        make_tiny_llama(seed=11, num_hidden_layers=8),
+        tok,
+        [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [20, 21, 22, 20, 21, 22, 23]],
+    )
 
 
 def reference_target():
@@ -89,6 +94,7 @@ def served(tmp_path_factory):
 
 # ---------------------------------------------------------------------------------------------- greedy
 
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("target", list(TARGETS))
 def test_greedy_equals_plain_greedy(served, target, name):
@@ -108,6 +114,7 @@ def test_greedy_equals_plain_greedy(served, target, name):
 
 
 # -------------------------------------------------------------------------------------------- lossless
+
 
 @pytest.fixture(scope="module")
 def stub(tmp_path_factory):
@@ -131,8 +138,9 @@ def test_sampling_is_lossless(stub, name, temperature):
     spec = drafters.get(name).example(model, tok, workdir / name).with_k(lossless.K)
     engine = Engine(model, tok, spec)
     settings = {"temperature": temperature}
-    seqs, stats = lossless.run_trials(engine.target, lambda seed: engine.new_proposer(
-        GenerationConfig(seed=seed, **settings)), settings)
+    seqs, stats = lossless.run_trials(
+        engine.target, lambda seed: engine.new_proposer(GenerationConfig(seed=seed, **settings)), settings
+    )
     lossless.check_counters(stats)
     assert stats.num_drafts >= lossless.TRIALS and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert stats.accepted_per_pos[lossless.K - 1] > 0
@@ -141,9 +149,11 @@ def test_sampling_is_lossless(stub, name, temperature):
 
 # ------------------------------------------------------------------------------------ export / refusal
 
+
 def _tensors(root) -> dict[str, torch.Tensor]:
-    return {f"{p.relative_to(root)}:{k}": v for p in sorted(root.rglob("*.safetensors"))
-            for k, v in load_file(p).items()}
+    return {
+        f"{p.relative_to(root)}:{k}": v for p in sorted(root.rglob("*.safetensors")) for k, v in load_file(p).items()
+    }
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -163,7 +173,7 @@ def test_export_reloads_bit_identically(served, tmp_path, name):
         assert after[key].dtype == tensor.dtype and torch.equal(after[key], tensor), key
     assert read_metadata(again).weights == read_metadata(head_dir).weights
     assert read_metadata(again).head_type == name
-    Engine(model, tok, SpeculativeConfig(name, str(again), 2))                  # the copy serves too
+    Engine(model, tok, SpeculativeConfig(name, str(again), 2))  # the copy serves too
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -180,6 +190,7 @@ def test_another_target_is_refused_naming_the_field(served, name):
 
 # ----------------------------------------------------------------------------------------------- serve
 
+
 @pytest.mark.parametrize("name", NAMES)
 def test_http_server_serves_the_plain_text(served, name):
     from fastapi.testclient import TestClient
@@ -191,8 +202,7 @@ def test_http_server_serves_the_plain_text(served, name):
     prompt = prompts[0]
     plain = Engine(model, tok).generate(prompt, GenerationConfig(max_new_tokens=16, temperature=0.0))
     with TestClient(create_app(Engine(model, tok, spec, model_name="tiny"))) as client:
-        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16,
-                                                 "temperature": 0})
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == plain.text
         models = client.get("/v1/models").json()["data"][0]
@@ -204,16 +214,25 @@ def test_http_server_serves_the_plain_text(served, name):
 
 # ----------------------------------------------------------------------------------------------- train
 
+
 def _training_inputs():
     from draftsmith.data_pipeline.dataset import render_dataset
     from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens
 
     tok = make_word_tokenizer(96)
     g = torch.Generator().manual_seed(0)
-    convs = [{"messages": [{"role": "user", "content": " ".join(f"w{int(i)}" for i in torch.randint(3, 96, (4,),
-                                                                                                 generator=g))},
-                           {"role": "assistant", "content": " ".join(f"w{int(i)}" for i in torch.randint(
-                               3, 96, (8,), generator=g))}]} for _ in range(8)]
+    convs = [
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(f"w{int(i)}" for i in torch.randint(3, 96, (4,), generator=g))},
+                {
+                    "role": "assistant",
+                    "content": " ".join(f"w{int(i)}" for i in torch.randint(3, 96, (8,), generator=g)),
+                },
+            ]
+        }
+        for _ in range(8)
+    ]
     data = render_dataset(tok, convs, 48)
     vocab_map = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 48, always_include=[1])
     return make_tiny_llama(seed=11, num_hidden_layers=8), tok, data, vocab_map
@@ -228,8 +247,9 @@ def test_trains_a_step_and_resumes_to_the_same_weights(tmp_path, monkeypatch, na
     honour_opt_out(name, "train")
     target, tok, data, vocab_map = _training_inputs()
     section = drafters.get(name).example_section()
-    cfg = TrainConfig(mixed_precision="no", max_steps=2, batch_size=4, lr=3e-3, warmup_steps=1, log_every=1,
-                      ckpt_every=1, threads=1)
+    cfg = TrainConfig(
+        mixed_precision="no", max_steps=2, batch_size=4, lr=3e-3, warmup_steps=1, log_every=1, ckpt_every=1, threads=1
+    )
 
     def train(out):
         return train_drafter(section, target, data, cfg, out, pad_id=0, vocab_map=vocab_map, tokenizer=tok)

@@ -6,6 +6,7 @@ configs, 2 processes over gloo, micro-batches of 1 sequence, 2 accumulation step
 decoder layers are the FSDP2 units. Checked: the launched strategy, the share of the trainable state
 each rank holds, the loss / grad-norm / accuracy curves and the final weights.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -15,8 +16,9 @@ from pathlib import Path
 import pytest
 
 pytestmark = pytest.mark.slow
-_spec = importlib.util.spec_from_file_location("draftsmith_distributed_tests",
-                                               Path(__file__).resolve().parent / "test_train_distributed.py")
+_spec = importlib.util.spec_from_file_location(
+    "draftsmith_distributed_tests", Path(__file__).resolve().parent / "test_train_distributed.py"
+)
 base = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(base)
 
@@ -26,17 +28,32 @@ def reference(tmp_path_factory):
     """The draft-model job on this one process (the micro-batches the 2 ranks read 2 by 2)."""
     out = tmp_path_factory.mktemp("draft-single")
     result = base._job_module().run(out, "single", 1, base.STEPS, micro_batch_size=1, drafter="draft_model")
-    return {"log": result.log,
-            "checksum": {n: float(p.detach().double().sum()) for n, p in result.head.named_parameters()}}
+    return {
+        "log": result.log,
+        "checksum": {n: float(p.detach().double().sum()) for n, p in result.head.named_parameters()},
+    }
 
 
-@pytest.mark.parametrize("strategy,fraction", [("ddp", 1.0), ("fsdp", 0.5),
-                                               pytest.param("zero3", 0.5, marks=base.needs_deepspeed)])
+@pytest.mark.parametrize(
+    "strategy,fraction", [("ddp", 1.0), ("fsdp", 0.5), pytest.param("zero3", 0.5, marks=base.needs_deepspeed)]
+)
 def test_draft_model_strategies_match_single_process(tmp_path, reference, strategy, fraction):
     out = tmp_path / strategy
-    proc = base.launch(strategy, out, "--strategy", strategy, "--num-processes", "2", "--steps", str(base.STEPS),
-                       "--micro-batch-size", "1", "--drafter", "draft_model",
-                       use_cpu_env=not strategy.startswith("zero"))
+    proc = base.launch(
+        strategy,
+        out,
+        "--strategy",
+        strategy,
+        "--num-processes",
+        "2",
+        "--steps",
+        str(base.STEPS),
+        "--micro-batch-size",
+        "1",
+        "--drafter",
+        "draft_model",
+        use_cpu_env=not strategy.startswith("zero"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     for r in (0, 1):
         got = json.loads((out / f"rank{r}.json").read_text())
@@ -45,6 +62,8 @@ def test_draft_model_strategies_match_single_process(tmp_path, reference, strate
         assert [e["step"] for e in got["log"]] == list(range(1, base.STEPS + 1))
         for a, b in zip(got["log"], reference["log"]):
             for key in ("loss", "grad_norm", "lr", "acc_0"):
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), f"{strategy} rank {r} step {a['step']} {key}"
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (
+                    f"{strategy} rank {r} step {a['step']} {key}"
+                )
         for name, value in reference["checksum"].items():
             assert got["checksum"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{strategy} rank {r} {name}"

@@ -1,5 +1,6 @@
 """Conversations the data pipeline leaves out are counted by reason, logged, and stop prepare above
 ``data.max_dropped_fraction`` (issue 13, fault 5: ``max_length`` truncating answers away was silent)."""
+
 import json
 import logging
 
@@ -9,10 +10,10 @@ from draftsmith import reference
 from draftsmith.config import ConfigError, load_config
 from draftsmith.data_pipeline import regenerate as regen
 from draftsmith.data_pipeline.chat import render
+from draftsmith.data_pipeline.config import DataConfig
 from draftsmith.data_pipeline.dataset import load_conversations, render_dataset
 from draftsmith.data_pipeline.drops import DroppedConversationsError
 from draftsmith.data_pipeline.prepare import prepare
-from draftsmith.data_pipeline.config import DataConfig
 from draftsmith.data_pipeline.regenerate import Answer, regenerate, regenerate_with_drops
 from draftsmith.data_pipeline.shards import write_shards
 
@@ -40,8 +41,19 @@ def reference_target():
 
 
 def reference_config(**overrides):
-    return DataConfig(**{**dict(source="reference:train", num_conversations=NUM, heldout_conversations=HELDOUT,
-                                regenerate=False, max_length=MAX_LENGTH, draft_vocab_size=None), **overrides})
+    return DataConfig(
+        **{
+            **dict(
+                source="reference:train",
+                num_conversations=NUM,
+                heldout_conversations=HELDOUT,
+                regenerate=False,
+                max_length=MAX_LENGTH,
+                draft_vocab_size=None,
+            ),
+            **overrides,
+        }
+    )
 
 
 def test_prepare_counts_answers_truncated_away_by_reason(reference_target, tmp_path, caplog):
@@ -65,8 +77,10 @@ def test_prepare_counts_answers_truncated_away_by_reason(reference_target, tmp_p
     on_disk = [json.loads(line) for line in (tmp_path / "data" / "conversations.jsonl").open()]
     assert on_disk == data.conversations
     assert all(render(tok, c["messages"], max_length=MAX_LENGTH).loss_mask.any() for c in on_disk)
-    assert f"prepare: skipped {lost} of {NUM + HELDOUT} conversations: {TRUNCATED}: {lost} (raise data.max_length)" \
+    assert (
+        f"prepare: skipped {lost} of {NUM + HELDOUT} conversations: {TRUNCATED}: {lost} (raise data.max_length)"
         in caplog.text
+    )
 
     # the share is checked again when the folder is reused (it does not key the folder)
     with pytest.raises(DroppedConversationsError, match=f"lost {lost} of {NUM + HELDOUT}"):
@@ -88,8 +102,9 @@ def test_prepare_stops_when_more_than_the_allowed_share_is_lost(reference_target
     assert fixed.manifest["dropped"] == {} and fixed.manifest["conversations"] == NUM
 
 
-def test_the_regeneration_journal_survives_the_stop_and_a_rerun_answers_nothing(tiny_llama, chatml, tmp_path,
-                                                                                monkeypatch):
+def test_the_regeneration_journal_survives_the_stop_and_a_rerun_answers_nothing(
+    tiny_llama, chatml, tmp_path, monkeypatch
+):
     target = tiny_llama(seed=5, vocab_size=len(chatml))
     source = tmp_path / "data.jsonl"
     convs = SHORT + LONG_QUESTIONS + [conv("empty", "x")]
@@ -101,11 +116,22 @@ def test_the_regeneration_journal_survives_the_stop_and_a_rerun_answers_nothing(
         return [Answer("" if p[0]["content"] == "empty" else "fine thanks", True) for p in prompts]
 
     monkeypatch.setattr(regen.RuntimeAnswerer, "answer", scripted)
-    cfg = DataConfig(source=str(source), num_conversations=None, heldout_conversations=0, max_new_tokens=6,
-                     batch_size=2, max_length=48, draft_vocab_size=None, regenerate_engine="draftsmith")
+    cfg = DataConfig(
+        source=str(source),
+        num_conversations=None,
+        heldout_conversations=0,
+        max_new_tokens=6,
+        batch_size=2,
+        max_length=48,
+        draft_vocab_size=None,
+        regenerate_engine="draftsmith",
+    )
     out = tmp_path / "data"
-    with pytest.raises(DroppedConversationsError, match=r"lost 3 of 6 conversations \(50\.0%.*"
-                                                        rf"{TRUNCATED}: 2 .*empty_regenerated_answer: 1") as e:
+    with pytest.raises(
+        DroppedConversationsError,
+        match=r"lost 3 of 6 conversations \(50\.0%.*"
+        rf"{TRUNCATED}: 2 .*empty_regenerated_answer: 1",
+    ) as e:
         prepare(cfg, target, chatml, "tiny", out)
     journal = out / "regenerate.partial.jsonl"
     assert journal.exists() and f"The regenerated answers stay in {journal}" in str(e.value)
@@ -132,11 +158,14 @@ def test_regenerate_reports_and_logs_empty_answers(caplog):
     out = regenerate_with_drops(Scripted(), convs, max_new_tokens=4, batch_size=2, progress=False)
     assert [d.kind for d in out.dropped] == ["empty_regenerated_answer"] and out.dropped[0].index == 2
     assert out.kept == [0, 1, 3] and len(out.conversations) == 3
-    strict = regenerate_with_drops(Scripted(), convs, max_new_tokens=4, batch_size=2, progress=False,
-                                   drop_unfinished=True)
-    assert [(d.index, d.kind) for d in strict.dropped] == [(0, "unfinished_regenerated_answer"),
-                                                          (2, "empty_regenerated_answer"),
-                                                          (3, "unfinished_regenerated_answer")]
+    strict = regenerate_with_drops(
+        Scripted(), convs, max_new_tokens=4, batch_size=2, progress=False, drop_unfinished=True
+    )
+    assert [(d.index, d.kind) for d in strict.dropped] == [
+        (0, "unfinished_regenerated_answer"),
+        (2, "empty_regenerated_answer"),
+        (3, "unfinished_regenerated_answer"),
+    ]
     with caplog.at_level(logging.WARNING, logger="draftsmith.data_pipeline.regenerate"):
         assert len(regenerate(Scripted(), convs, max_new_tokens=4, batch_size=2, progress=False)) == 3
     assert "regenerate: skipped 1 of 4 conversations: empty_regenerated_answer: 1" in caplog.text
@@ -157,8 +186,18 @@ def test_capture_counts_what_it_leaves_out_by_reason(tiny_llama, chatml, tmp_pat
     target = tiny_llama(seed=3, vocab_size=len(chatml))
     convs = SHORT + LONG_QUESTIONS + [conv("Only a question")]
     with caplog.at_level(logging.WARNING, logger="draftsmith.data_pipeline.shards"):
-        manifest = write_shards(target, chatml, convs, tmp_path / "cap", aux_layer_ids=(0, 1, 2), max_length=48,
-                                shard_size=4, batch_size=2, target_name="tiny", progress=False)
+        manifest = write_shards(
+            target,
+            chatml,
+            convs,
+            tmp_path / "cap",
+            aux_layer_ids=(0, 1, 2),
+            max_length=48,
+            shard_size=4,
+            batch_size=2,
+            target_name="tiny",
+            progress=False,
+        )
     assert manifest["dropped"] == {TRUNCATED: 2, "no_supervised_tokens": 1}
     assert manifest["skipped_conversations"] == 3 and manifest["num_sequences"] == 3
     assert [e["dropped"] for e in manifest["shards"]] == [{TRUNCATED: 1}, {TRUNCATED: 1, "no_supervised_tokens": 1}]
@@ -169,16 +208,27 @@ def test_capture_counts_what_it_leaves_out_by_reason(tiny_llama, chatml, tmp_pat
 def test_prepare_refuses_a_heldout_split_that_takes_everything(chatml, tmp_path):
     source = tmp_path / "data.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in SHORT))
-    cfg = DataConfig(source=str(source), num_conversations=None, heldout_conversations=5, regenerate=False,
-                     max_length=64, draft_vocab_size=None)
+    cfg = DataConfig(
+        source=str(source),
+        num_conversations=None,
+        heldout_conversations=5,
+        regenerate=False,
+        max_length=64,
+        draft_vocab_size=None,
+    )
     with pytest.raises(ValueError, match=r"all 3 go to the held-out split \(data.heldout_conversations=5\)"):
         prepare(cfg, None, chatml, "tiny", tmp_path / "data")
 
 
-@pytest.mark.parametrize("override, problem", [("max_dropped_fraction=1.5", "max_dropped_fraction must be in"),
-                                               ("max_dropped_fraction=-0.1", "max_dropped_fraction must be in"),
-                                               ("max_length=1", "max_length must be >= 2"),
-                                               ("heldout_conversations=-1", "heldout_conversations must be >= 0")])
+@pytest.mark.parametrize(
+    "override, problem",
+    [
+        ("max_dropped_fraction=1.5", "max_dropped_fraction must be in"),
+        ("max_dropped_fraction=-0.1", "max_dropped_fraction must be in"),
+        ("max_length=1", "max_length must be >= 2"),
+        ("heldout_conversations=-1", "heldout_conversations must be >= 0"),
+    ],
+)
 def test_data_config_checks_its_ranges(override, problem):
     with pytest.raises(ConfigError, match=problem):
         load_config(DataConfig, None, [override])

@@ -1,10 +1,11 @@
 """EAGLE-3 head: train/serve parity, vocab map, export names."""
+
 import pytest
 import torch
 
 from draftsmith.core.aux_layers import default_aux_layer_ids
-from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head, HeadKV
 from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens, validate_vocab_map
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head, HeadKV
 from draftsmith.drafters.eagle3.ttt import ttt_loss
 from draftsmith.train.losses import shift_left
 
@@ -20,7 +21,7 @@ def make_head(target, draft_vocab_size=None, seed=0):
 def test_default_aux_layer_ids():
     assert default_aux_layer_ids(32) == (2, 16, 29)
     assert default_aux_layer_ids(8) == (2, 4, 5)
-    ids = default_aux_layer_ids(4)          # (2, 2, 1) collapses: three distinct ids instead
+    ids = default_aux_layer_ids(4)  # (2, 2, 1) collapses: three distinct ids instead
     assert len(set(ids)) == 3 and max(ids) < 4
 
 
@@ -84,7 +85,7 @@ def test_prompt_loss_weight_scores_prompt_rows_but_never_padding(tiny_llama):
     torch.manual_seed(1)
     ids = torch.randint(2, 96, (2, 16))
     attn = torch.ones(2, 16, dtype=torch.long)
-    attn[1, 12:] = 0                                     # row 1: 12 real tokens, then padding
+    attn[1, 12:] = 0  # row 1: 12 real tokens, then padding
     mask = torch.zeros(2, 16, dtype=torch.bool)
     mask[:, 6:12] = True
     with torch.no_grad():
@@ -98,7 +99,7 @@ def test_prompt_loss_weight_scores_prompt_rows_but_never_padding(tiny_llama):
     base = ttt_loss(head, aux, ids, out.logits, mask, ttt_steps=3)
     assert loss(0.0).loss.item() == pytest.approx(base.loss.item(), rel=1e-6)
     assert loss(1.0).loss.item() != pytest.approx(base.loss.item(), rel=1e-3)
-    assert loss(1.0).step_acc == base.step_acc          # accuracy stays on assistant rows
+    assert loss(1.0).step_acc == base.step_acc  # accuracy stays on assistant rows
     # changing what sits in the padded tail of row 1 leaves every weighted loss unchanged
     ids2, aux2, logits2 = ids.clone(), aux.clone(), out.logits.clone()
     ids2[1, 12:] = 0
@@ -119,7 +120,7 @@ def test_vocab_map_round_trip():
     validate_vocab_map(vmap.d2t, vmap.t2d)
     target_ids = vmap.draft_ids_in_target()
     assert target_ids.unique().numel() == 64 and int(target_ids.max()) < 200
-    assert set(corpus.unique().tolist()) <= set(target_ids.tolist())   # every seen token is in the draft vocab
+    assert set(corpus.unique().tolist()) <= set(target_ids.tolist())  # every seen token is in the draft vocab
     for d in range(64):
         assert vmap.t2d[d + vmap.d2t[d]]
     full = build_vocab_map(counts, 200)
@@ -127,7 +128,7 @@ def test_vocab_map_round_trip():
 
 
 def test_vocab_map_rejects_duplicates():
-    d2t = torch.tensor([0, 0, -1])      # draft 1 and 2 both map to target 1
+    d2t = torch.tensor([0, 0, -1])  # draft 1 and 2 both map to target 1
     t2d = torch.zeros(5, dtype=torch.bool)
     t2d[:2] = True
     with pytest.raises(ValueError, match="same target id"):

@@ -1,12 +1,13 @@
 """EAGLE-3 proposer: lossless greedy decoding with a random head, and train/serve agreement."""
+
 import pytest
 import torch
 
-from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
-from draftsmith.data_pipeline.vocab import build_vocab_map
 from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
-from draftsmith.drafters.eagle3.proposer import Eagle3Proposer
 from draftsmith.core.target import TargetModel
+from draftsmith.data_pipeline.vocab import build_vocab_map
+from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+from draftsmith.drafters.eagle3.proposer import Eagle3Proposer
 
 
 def make_head(target, draft_vocab_size=None, seed=0):
@@ -31,7 +32,11 @@ def fit_head(target, head, steps=80):
     seqs = []
     for seed in range(8):
         prompt = torch.randint(2, 96, (4,), generator=torch.Generator().manual_seed(100 + seed))
-        seqs.append(torch.cat([prompt, torch.tensor(generate_plain(wrapped, prompt, GenerationConfig(max_new_tokens=28)).tokens)]))
+        seqs.append(
+            torch.cat(
+                [prompt, torch.tensor(generate_plain(wrapped, prompt, GenerationConfig(max_new_tokens=28)).tokens)]
+            )
+        )
     ids = torch.stack(seqs)
     cap = capture(target, ids, head.config.aux_layer_ids)
     opt = torch.optim.AdamW(head.parameters(), lr=3e-3)
@@ -64,7 +69,7 @@ def test_eagle3_greedy_equals_plain(trained, k, draft_vocab_size):
         spec = generate_speculative(wrapped, Eagle3Proposer(head), prompt, cfg, k)
         assert spec.tokens == plain.tokens
         accepted += spec.stats.num_accepted_tokens
-    assert accepted > 0    # lm_head starts from the target's rows: some drafts must be right
+    assert accepted > 0  # lm_head starts from the target's rows: some drafts must be right
 
 
 def test_eagle3_draft_matches_head_on_context(tiny_llama):

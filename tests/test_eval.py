@@ -1,4 +1,5 @@
 """``draftsmith eval``: the recipe's drafter and labelled rows side by side, each at its own k, decoded for real."""
+
 import pytest
 
 from draftsmith import reference
@@ -12,22 +13,38 @@ from draftsmith.pipeline.stages import eval_rows, run_eval
 
 
 def recipe_with(tmp_path, *overrides):
-    return load_config(Recipe, None, [f"out_dir={tmp_path}", "name=ev", "eval.tasks=[code-complete]",
-                                      "eval.prompts_per_task=2", "eval.max_new_tokens=12", "eval.threads=1",
-                                      *overrides])
+    return load_config(
+        Recipe,
+        None,
+        [
+            f"out_dir={tmp_path}",
+            "name=ev",
+            "eval.tasks=[code-complete]",
+            "eval.prompts_per_task=2",
+            "eval.max_new_tokens=12",
+            "eval.threads=1",
+            *overrides,
+        ],
+    )
 
 
 def test_rows_take_the_recipe_drafters_k_unless_their_own(tmp_path):
-    recipe = recipe_with(tmp_path, "drafter.num_speculative_tokens=3",
-                         'eval.drafters={sibling: {method: draft_model, model: reference-draft}, '
-                         'long: {method: ngram, prompt_lookup_max: 8, num_speculative_tokens: 4}}')
-    rows = eval_rows(recipe, None)                     # no head: the recipe's own EAGLE-3 row needs one
+    recipe = recipe_with(
+        tmp_path,
+        "drafter.num_speculative_tokens=3",
+        "eval.drafters={sibling: {method: draft_model, model: reference-draft}, "
+        "long: {method: ngram, prompt_lookup_max: 8, num_speculative_tokens: 4}}",
+    )
+    rows = eval_rows(recipe, None)  # no head: the recipe's own EAGLE-3 row needs one
     assert list(rows) == ["sibling", "long"]
-    assert rows["sibling"].to_dict() == {"method": "draft_model", "model": "reference-draft",
-                                         "num_speculative_tokens": 3}
+    assert rows["sibling"].to_dict() == {
+        "method": "draft_model",
+        "model": "reference-draft",
+        "num_speculative_tokens": 3,
+    }
     assert rows["long"].num_speculative_tokens == 4 and rows["long"].options["prompt_lookup_max"] == 8
-    assert {r.num_speculative_tokens for r in eval_rows(recipe, None, k=2).values()} == {2}   # --k: every row
-    picked = eval_rows(recipe, None, ["long", "ngram", "draft_model"])                        # --methods
+    assert {r.num_speculative_tokens for r in eval_rows(recipe, None, k=2).values()} == {2}  # --k: every row
+    picked = eval_rows(recipe, None, ["long", "ngram", "draft_model"])  # --methods
     assert list(picked) == ["long", "ngram", "draft_model"] and picked["draft_model"].model == "reference-draft"
     with pytest.raises(ValueError, match="already a row"):
         eval_rows(recipe_with(tmp_path, "drafter.method=ngram", "eval.drafters={ngram: {method: ngram}}"), None)
@@ -50,9 +67,12 @@ def test_eval_decodes_each_row_at_its_own_k_with_draft_cost(tmp_path):
     """Rows are decoded, not only configured: a row at k=4 and one at k=2 each draft at most their k per step, and
     every greedy output equals plain decoding."""
     target, tok = reference.target()
-    recipe = recipe_with(tmp_path, "drafter.num_speculative_tokens=4",
-                         'eval.drafters={sibling: {method: draft_model, model: reference-draft}, '
-                         'short: {method: ngram, prompt_lookup_min: 1, num_speculative_tokens: 2}}')
+    recipe = recipe_with(
+        tmp_path,
+        "drafter.num_speculative_tokens=4",
+        "eval.drafters={sibling: {method: draft_model, model: reference-draft}, "
+        "short: {method: ngram, prompt_lookup_min: 1, num_speculative_tokens: 2}}",
+    )
     report = run_eval(recipe, None, target, tok)
     rows = report["tasks"]["code-complete"]
     assert report["config"]["methods"] == ["sibling", "short"] and report["config"]["ks"] == {"sibling": 4, "short": 2}
@@ -60,7 +80,7 @@ def test_eval_decodes_each_row_at_its_own_k_with_draft_cost(tmp_path):
         row = rows[label]
         assert row["greedy_mismatches"] == 0 and len(row["accepted_per_pos"]) == k
         assert 0 < row["num_draft_tokens"] <= k * row["num_drafts"]
-    assert rows["sibling"]["num_draft_tokens"] > 2 * rows["sibling"]["num_drafts"]   # k=4 drafts, not 2
+    assert rows["sibling"]["num_draft_tokens"] > 2 * rows["sibling"]["num_drafts"]  # k=4 drafts, not 2
     sibling = rows["sibling"]
     assert sibling["draft_ms_per_token"] > 0 and 0 < sibling["draft_seconds"] < sibling["seconds"]
     assert rows["plain"]["ms_per_token"] > 0
@@ -79,13 +99,17 @@ def test_eval_stops_where_serving_stops(tmp_path):
 
     ids = prompt_ids(tok, prompt)
     free = generate_plain(TargetModel(target), ids, GenerationConfig(max_new_tokens=12)).tokens
-    stop = free[3]                                          # a token the target emits: make it an end-of-turn id
+    stop = free[3]  # a token the target emits: make it an end-of-turn id
     target.generation_config.eos_token_id = [tok.eos_token_id, stop]
     try:
-        report = run_eval(recipe_with(tmp_path, "drafter.method=ngram", "drafter.prompt_lookup_min=1",
-                                      "eval.prompts_per_task=1"), None, target, tok)
+        report = run_eval(
+            recipe_with(tmp_path, "drafter.method=ngram", "drafter.prompt_lookup_min=1", "eval.prompts_per_task=1"),
+            None,
+            target,
+            tok,
+        )
     finally:
         target.generation_config.eos_token_id = tok.eos_token_id
     rows = report["tasks"]["code-complete"]
-    first = free.index(stop) + 1                            # tokens up to and including the end-of-turn id
+    first = free.index(stop) + 1  # tokens up to and including the end-of-turn id
     assert rows["plain"]["new_tokens"] == rows["ngram"]["new_tokens"] == first < 12

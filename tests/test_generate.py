@@ -1,5 +1,6 @@
 """The runtime's first test: speculative greedy output == the target's own greedy output, for every drafter
 (n-gram, draft models, a random one), plus stops inside accepted chunks and the speculation counters."""
+
 from __future__ import annotations
 
 import copy
@@ -8,13 +9,13 @@ import pytest
 import torch
 
 from draftsmith.core.generate import GenerationConfig, SpecStats, generate_plain, generate_speculative
-from draftsmith.drafters.draft_model.proposer import DraftModelProposer
-from draftsmith.drafters.ngram.proposer import NgramProposer
 from draftsmith.core.proposer import Proposal, Proposer
 from draftsmith.core.target import TargetModel
+from draftsmith.drafters.draft_model.proposer import DraftModelProposer
+from draftsmith.drafters.ngram.proposer import NgramProposer
 
 PROMPTS = [
-    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],          # repetitive: n-gram lookup has something to find
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],  # repetitive: n-gram lookup has something to find
     [20, 21, 22, 20, 21, 22, 20],
     list(range(10, 30)),
     [9, 9, 9, 9, 9],
@@ -66,7 +67,7 @@ class OracleProposer(Proposer):
         self.emitted = 1
 
     def propose(self, k: int) -> Proposal:
-        return Proposal(torch.tensor(self.continuation[self.emitted:self.emitted + k], dtype=torch.long))
+        return Proposal(torch.tensor(self.continuation[self.emitted : self.emitted + k], dtype=torch.long))
 
     def accept(self, n_accepted, emitted, target_step) -> None:
         self.emitted += emitted.numel()
@@ -76,9 +77,8 @@ def test_plain_matches_transformers_generate(target):
     prompt = torch.tensor(PROMPTS[2])
     ours = generate_plain(target, prompt, GenerationConfig(max_new_tokens=12))
     with torch.no_grad():
-        hf = target.model.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None,
-                                   pad_token_id=0)
-    assert ours.tokens == hf[0, prompt.numel():].tolist()
+        hf = target.model.generate(prompt[None], max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert ours.tokens == hf[0, prompt.numel() :].tolist()
     assert (ours.finish_reason, ours.num_target_forwards) == ("length", 12)
 
 
@@ -97,7 +97,7 @@ def _random_prompts(n: int, seed: int = 11) -> list[list[int]]:
     return prompts
 
 
-GREEDY_PROMPTS = PROMPTS + _random_prompts(45)               # 50 prompts
+GREEDY_PROMPTS = PROMPTS + _random_prompts(45)  # 50 prompts
 GREEDY_TOKENS = 12
 
 
@@ -122,7 +122,7 @@ class ScriptedProposer(Proposer):
         if self.paused:
             self.empty_proposals += 1
             return Proposal.empty()
-        right = self.expected[self.emitted:self.emitted + k]
+        right = self.expected[self.emitted : self.emitted + k]
         tokens = [t if self.script(self.step, i) else (t + 1) % self.vocab_size for i, t in enumerate(right)]
         return Proposal(torch.tensor(tokens, dtype=torch.long))
 
@@ -135,16 +135,16 @@ class ScriptedProposer(Proposer):
 SCRIPTS = {
     "always_right": (lambda step, i: True, False),
     "always_wrong": (lambda step, i: False, False),
-    "wrong_first_token": (lambda step, i: i > 0, False),              # every draft wrong at its first token
-    "wrong_first_draft_only": (lambda step, i: step > 0 or i > 0, False),   # only the sequence's first token
+    "wrong_first_token": (lambda step, i: i > 0, False),  # every draft wrong at its first token
+    "wrong_first_draft_only": (lambda step, i: step > 0 or i > 0, False),  # only the sequence's first token
     "nothing_after_multi_accept": (lambda step, i: True, True),
 }
 
 
 def _make_head(target: TargetModel, draft_vocab_size: int = 48):
     """A random (untrained) EAGLE-3 head on ``target`` with a d2t map; its drafts are mostly rejected."""
-    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
     from draftsmith.data_pipeline.vocab import build_vocab_map
+    from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
 
     model = target.model
     cfg = Eagle3Config.from_target(model.config, draft_vocab_size=draft_vocab_size, aux_layer_ids=target.aux_layer_ids)
@@ -153,15 +153,16 @@ def _make_head(target: TargetModel, draft_vocab_size: int = 48):
     vmap = build_vocab_map(torch.arange(model.config.vocab_size).flip(0), draft_vocab_size)
     head.set_vocab_map(vmap.d2t, vmap.t2d)
     head.bind_embedding(model.get_input_embeddings())
-    head.init_from_target(model)                                  # lm_head from the target: some drafts right
+    head.init_from_target(model)  # lm_head from the target: some drafts right
     return head
 
 
-def _proposer(name: str, target: TargetModel, make_tiny_llama, expected: list[int] | None = None,
-              head=None) -> Proposer:
+def _proposer(
+    name: str, target: TargetModel, make_tiny_llama, expected: list[int] | None = None, head=None
+) -> Proposer:
     if name == "ngram":
         return NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
-    if name == "draft_random":                                   # different seed, same vocab
+    if name == "draft_random":  # different seed, same vocab
         return DraftModelProposer(make_tiny_llama(seed=1, num_hidden_layers=2), target.vocab_size)
     if name == "draft_close":
         return DraftModelProposer(_noisy_copy(target.model), target.vocab_size)
@@ -179,8 +180,9 @@ def _proposer(name: str, target: TargetModel, make_tiny_llama, expected: list[in
 def greedy_setup(tiny_llama):
     """(target with aux layers, EAGLE-3 head, plain greedy outputs of the 50 prompts)."""
     target = TargetModel(tiny_llama(seed=0, num_hidden_layers=3), aux_layer_ids=(0, 1, 2))
-    expected = [generate_plain(target, p, GenerationConfig(max_new_tokens=GREEDY_TOKENS)).tokens
-                for p in GREEDY_PROMPTS]
+    expected = [
+        generate_plain(target, p, GenerationConfig(max_new_tokens=GREEDY_TOKENS)).tokens for p in GREEDY_PROMPTS
+    ]
     return target, _make_head(target), expected
 
 
@@ -191,7 +193,7 @@ def test_speculative_greedy_equals_plain_greedy(greedy_setup, tiny_llama, name, 
     target, head, expected = greedy_setup
     total = SpecStats(k=k)
     cfg = GenerationConfig(max_new_tokens=GREEDY_TOKENS)
-    shared = None if name in SCRIPTS else _proposer(name, target, tiny_llama, head=head)   # reused: start() resets
+    shared = None if name in SCRIPTS else _proposer(name, target, tiny_llama, head=head)  # reused: start() resets
     empty_proposals = 0
     for prompt, plain in zip(GREEDY_PROMPTS, expected):
         proposer = shared or _proposer(name, target, tiny_llama, expected=plain)
@@ -203,7 +205,7 @@ def test_speculative_greedy_equals_plain_greedy(greedy_setup, tiny_llama, name, 
     assert total.num_drafts > 0
     assert 0 <= total.num_accepted_tokens <= total.num_draft_tokens
     assert sum(total.accepted_per_pos) == total.num_accepted_tokens
-    if name in ("ngram", "draft_close", "eagle3"):              # not vacuous: drafts were accepted
+    if name in ("ngram", "draft_close", "eagle3"):  # not vacuous: drafts were accepted
         assert total.num_accepted_tokens > 0, total
         assert total.acceptance_length > 1.0
     if name == "always_right":
@@ -214,7 +216,7 @@ def test_speculative_greedy_equals_plain_greedy(greedy_setup, tiny_llama, name, 
         assert 0 < total.num_accepted_tokens < total.num_draft_tokens
     if name == "nothing_after_multi_accept":
         assert total.acceptance_rate == 1.0
-        assert (empty_proposals > 0) == (k >= 2)                 # k = 1 never accepts 2 drafts at once
+        assert (empty_proposals > 0) == (k >= 2)  # k = 1 never accepts 2 drafts at once
 
 
 def test_k0_is_plain_decoding(target, plain):
@@ -235,13 +237,13 @@ def test_oracle_accepts_everything(target, plain):
 
 def test_eos_inside_an_accepted_chunk_trims_there(target, plain):
     expected = plain[2]
-    eos = expected[3]                                            # inside the first verify chunk (tokens 1..6)
+    eos = expected[3]  # inside the first verify chunk (tokens 1..6)
     cut = expected.index(eos) + 1
     cfg = GenerationConfig(max_new_tokens=30, eos_token_ids=[eos])
     result = generate_speculative(target, OracleProposer(expected), PROMPTS[2], cfg, k=5)
     assert result.tokens == expected[:cut] and result.finish_reason == "stop"
     emitted_by_verify = 1 + result.stats.num_accepted_tokens + result.stats.num_drafts
-    assert emitted_by_verify > len(result.tokens)                # the chunk went past the EOS, the output did not
+    assert emitted_by_verify > len(result.tokens)  # the chunk went past the EOS, the output did not
     assert generate_plain(target, PROMPTS[2], cfg).tokens == expected[:cut]
     stop = GenerationConfig(max_new_tokens=30, stop_token_ids=[eos])
     assert generate_speculative(target, NgramProposer(), PROMPTS[2], stop, k=3).tokens == expected[:cut]
@@ -264,11 +266,11 @@ def test_stop_inside_a_chunk_emits_up_to_the_stop():
     out = _Output(GenerationConfig(max_new_tokens=5, eos_token_ids=[stop]), on_tokens=seen.append)
     assert out.extend([a, b, stop, c, d, e]) is True
     assert (out.tokens, out.finish_reason, seen) == ([a, b, stop], "stop", [[a, b, stop]])
-    out = _Output(GenerationConfig(max_new_tokens=5, stop_token_ids=[stop]))       # a stop id, not EOS: same
+    out = _Output(GenerationConfig(max_new_tokens=5, stop_token_ids=[stop]))  # a stop id, not EOS: same
     assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop], "stop")
-    out = _Output(GenerationConfig(max_new_tokens=5))                              # no stop: cut at 5
+    out = _Output(GenerationConfig(max_new_tokens=5))  # no stop: cut at 5
     assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop, c, d], "length")
-    out = _Output(GenerationConfig(max_new_tokens=5, eos_token_ids=[e]))           # stop after max_tokens: length
+    out = _Output(GenerationConfig(max_new_tokens=5, eos_token_ids=[e]))  # stop after max_tokens: length
     assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop, c, d], "length")
 
 
@@ -280,8 +282,9 @@ def test_eos_as_third_greedy_token_with_k4_ends_there(greedy_setup, tiny_llama, 
     assert len(cases) >= 5
     for prompt, plain in cases:
         cfg = GenerationConfig(max_new_tokens=GREEDY_TOKENS, eos_token_ids=[plain[2]])
-        result = generate_speculative(target, _proposer(name, target, tiny_llama, expected=plain, head=head),
-                                      prompt, cfg, k=4)
+        result = generate_speculative(
+            target, _proposer(name, target, tiny_llama, expected=plain, head=head), prompt, cfg, k=4
+        )
         assert (result.tokens, result.finish_reason) == (plain[:3], "stop")
 
 
@@ -310,10 +313,12 @@ def test_ngram_k3_returns_exactly_max_tokens(greedy_setup, max_new_tokens):
         proposer = NgramProposer(prompt_lookup_min=1, prompt_lookup_max=3)
         proposer.start(torch.tensor(prompt), plain[0], None)
         return proposer.propose(3).tokens.numel() == 3
-    assert any(drafts_three(p, e) for p, e in zip(GREEDY_PROMPTS, expected))   # not vacuous
+
+    assert any(drafts_three(p, e) for p, e in zip(GREEDY_PROMPTS, expected))  # not vacuous
     for prompt, plain in zip(GREEDY_PROMPTS, expected):
-        result = generate_speculative(target, NgramProposer(1, 3), prompt, GenerationConfig(max_new_tokens=max_new_tokens),
-                                      k=3)
+        result = generate_speculative(
+            target, NgramProposer(1, 3), prompt, GenerationConfig(max_new_tokens=max_new_tokens), k=3
+        )
         assert (result.tokens, result.finish_reason) == (plain[:max_new_tokens], "length")
         # drafts asked per step: min(k, max_tokens - emitted - 1) = 0 here: the verify pass adds one token itself
         assert result.stats.num_draft_tokens == 0
@@ -322,8 +327,10 @@ def test_ngram_k3_returns_exactly_max_tokens(greedy_setup, max_new_tokens):
 def test_sampling_path_with_top_k_1_equals_greedy(target, plain):
     """top_k = 1 makes p and q one-hot: rejection sampling must reproduce greedy output exactly."""
     cfg = GenerationConfig(max_new_tokens=30, temperature=0.7, top_k=1, seed=3)
-    drafts = [NgramProposer(), DraftModelProposer(_noisy_copy(target.model), target.vocab_size,
-                                                  temperature=0.7, top_k=1)]
+    drafts = [
+        NgramProposer(),
+        DraftModelProposer(_noisy_copy(target.model), target.vocab_size, temperature=0.7, top_k=1),
+    ]
     for proposer in drafts:
         for prompt, expected in zip(PROMPTS[:3], plain[:3]):
             assert generate_speculative(target, proposer, prompt, cfg, k=3).tokens == expected
@@ -331,9 +338,16 @@ def test_sampling_path_with_top_k_1_equals_greedy(target, plain):
 
 def test_sampling_is_seeded(target):
     cfg = GenerationConfig(max_new_tokens=20, temperature=1.0, top_p=0.9, seed=7)
-    runs = [generate_speculative(target, DraftModelProposer(_noisy_copy(target.model), 96, temperature=1.0,
-                                                            top_p=0.9, seed=1), PROMPTS[0], cfg, k=3)
-            for _ in range(2)]
+    runs = [
+        generate_speculative(
+            target,
+            DraftModelProposer(_noisy_copy(target.model), 96, temperature=1.0, top_p=0.9, seed=1),
+            PROMPTS[0],
+            cfg,
+            k=3,
+        )
+        for _ in range(2)
+    ]
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 20
     assert all(0 <= t < 96 for t in runs[0].tokens)
     assert generate_plain(target, PROMPTS[0], cfg).tokens == generate_plain(target, PROMPTS[0], cfg).tokens
@@ -373,21 +387,22 @@ def test_aux_hidden_reaches_the_proposer(tiny_llama):
     generate_speculative(target, Recording(96), [1, 2, 3, 4], GenerationConfig(max_new_tokens=6), k=2)
     assert seen[0] == (4, (4, 96))
     assert len(seen) > 1
-    assert all(shape[1] == 96 and n + 1 <= shape[0] <= 3 for n, shape in seen[1:])   # rows 0..n are there
+    assert all(shape[1] == 96 and n + 1 <= shape[0] <= 3 for n, shape in seen[1:])  # rows 0..n are there
 
 
 def test_spec_stats():
     stats = SpecStats(k=3)
     stats.record(3, 2)
-    stats.record(0, 0)                                           # proposing nothing is not a draft
+    stats.record(0, 0)  # proposing nothing is not a draft
     stats.record(2, 0)
     assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 5, 2)
     assert stats.accepted_per_pos == [1, 1, 0]
     assert stats.acceptance_rate == pytest.approx(2 / 5)
     assert stats.acceptance_length == pytest.approx(1 + 2 / 2)
     assert SpecStats(k=2).acceptance_length == 1.0 and SpecStats(k=2).acceptance_rate == 0.0
-    merged = stats.merge(SpecStats(k=4, num_drafts=1, num_draft_tokens=4, num_accepted_tokens=4,
-                                   accepted_per_pos=[1, 1, 1, 1]))
+    merged = stats.merge(
+        SpecStats(k=4, num_drafts=1, num_draft_tokens=4, num_accepted_tokens=4, accepted_per_pos=[1, 1, 1, 1])
+    )
     assert merged.accepted_per_pos == [2, 2, 1, 1] and merged.num_drafts == 3
 
 
@@ -410,18 +425,19 @@ def test_speculative_sampling_follows_the_target_distribution(tiny_llama):
     target = TargetModel(model)
     draft = DraftModelProposer(tiny_llama(vocab_size=8, num_hidden_layers=1, seed=3), 8, temperature=temperature)
     # exact law of three tokens: p(t1) p(t2 | t1) p(t3 | t1 t2), from one batched forward over all 64 prefixes
-    prefixes = torch.cartesian_prod(torch.arange(8), torch.arange(8))                     # [64, 2]
+    prefixes = torch.cartesian_prod(torch.arange(8), torch.arange(8))  # [64, 2]
     with torch.no_grad():
         logits = model(torch.cat([torch.tensor(prompt).expand(64, 3), prefixes], dim=1)).logits
-    probs = torch.softmax(logits.float() / temperature, dim=-1)                          # [64, 5, 8]
+    probs = torch.softmax(logits.float() / temperature, dim=-1)  # [64, 5, 8]
     joint = probs[0, 2][:, None, None] * probs[::8, 3][:, :, None] * probs[:, 4].reshape(8, 8, 8)
     counts = torch.zeros(8, 8, 8)
     stats = SpecStats(k=1)
     for seed in range(trials):
-        result = generate_speculative(target, draft, prompt, GenerationConfig(max_new_tokens=3, temperature=temperature,
-                                                                              seed=seed), k=1)
+        result = generate_speculative(
+            target, draft, prompt, GenerationConfig(max_new_tokens=3, temperature=temperature, seed=seed), k=1
+        )
         counts[tuple(result.tokens)] += 1
         stats = stats.merge(result.stats)
-    assert 0.1 < stats.acceptance_rate < 0.9                      # both accept and reject paths ran
+    assert 0.1 < stats.acceptance_rate < 0.9  # both accept and reject paths ran
     assert _pooled_pvalue(counts.sum(2).flatten(), trials * joint.sum(2).flatten()) > 1e-3
     assert _pooled_pvalue(counts.sum((0, 1)), trials * joint.sum((0, 1))) > 1e-3

@@ -6,6 +6,7 @@ cut a stage and are cleared afterwards, and the closing table names the device, 
 and each cut. Opt-in (marker ``gpu``: ``DRAFTSMITH_RUN_GPU=1`` or ``pytest -m gpu``, and CUDA present): the
 real run through ``bench/gpu_demo.sh``, about 7 minutes.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,26 +46,40 @@ def test_scripts_compile(tmp_path):
 
 
 def test_arguments_become_recipe_overrides():
-    args = gpu_demo.build_parser().parse_args(["--train-steps", "300", "--conversations", "600", "--k", "4",
-                                               "--target-dtype", "bfloat16", "train.lr=1e-3"])
+    args = gpu_demo.build_parser().parse_args(
+        ["--train-steps", "300", "--conversations", "600", "--k", "4", "--target-dtype", "bfloat16", "train.lr=1e-3"]
+    )
     overrides = gpu_demo.recipe_overrides(args)
-    assert overrides[-1] == "train.lr=1e-3"                               # the user's own come last
+    assert overrides[-1] == "train.lr=1e-3"  # the user's own come last
     recipe, applied = gpu_demo.load_recipe(args)
     assert applied == overrides
-    assert (recipe.train.max_steps, recipe.train.mixed_precision, recipe.train.mode, recipe.train.lr) == \
-        (300, "bf16", "online", 1e-3)
-    assert (recipe.data.num_conversations, recipe.data.batch_size, recipe.target.dtype,
-            recipe.drafter.num_speculative_tokens) == (600, 256, "bfloat16", 4)
+    assert (recipe.train.max_steps, recipe.train.mixed_precision, recipe.train.mode, recipe.train.lr) == (
+        300,
+        "bf16",
+        "online",
+        1e-3,
+    )
+    assert (
+        recipe.data.num_conversations,
+        recipe.data.batch_size,
+        recipe.target.dtype,
+        recipe.drafter.num_speculative_tokens,
+    ) == (600, 256, "bfloat16", 4)
 
 
 def test_defaults_keep_the_demo_recipe_data_and_eval():
     args = gpu_demo.build_parser().parse_args([])
     recipe, overrides = gpu_demo.load_recipe(args)
     assert recipe.train.max_steps == 400 and recipe.train.mixed_precision == "bf16"
-    assert recipe.target.dtype == "float32"                              # capture and serving share it
+    assert recipe.target.dtype == "float32"  # capture and serving share it
     assert (recipe.data.num_conversations, recipe.data.max_new_tokens) == (2400, 128)
-    assert (recipe.drafter.method, list(recipe.eval.drafters), recipe.drafter.num_speculative_tokens,
-            recipe.eval.prompts_per_task, recipe.eval.max_new_tokens) == ("eagle3", ["ngram", "draft_model"], 5, 8, 64)
+    assert (
+        recipe.drafter.method,
+        list(recipe.eval.drafters),
+        recipe.drafter.num_speculative_tokens,
+        recipe.eval.prompts_per_task,
+        recipe.eval.max_new_tokens,
+    ) == ("eagle3", ["ngram", "draft_model"], 5, 8, 64)
     assert not any(o.startswith(("data.num_conversations", "eval.", "drafter.")) for o in overrides)
 
 
@@ -72,7 +87,7 @@ def test_dry_run_prints_the_plan_and_bad_overrides_are_refused(capsys):
     assert gpu_demo.main(["--dry-run", "--budget-s", "300", "--started-at", "1000"]) == 0
     plan = capsys.readouterr().out
     assert "train.max_steps=400" in plan and "train.mixed_precision=bf16" in plan
-    assert "train    cut at    216 s" in plan                           # 0.72 of the budget
+    assert "train    cut at    216 s" in plan  # 0.72 of the budget
     assert gpu_demo.main(["--dry-run", "train.no_such_key=1"]) == 2
     assert "train.no_such_key" in capsys.readouterr().err
 
@@ -81,7 +96,7 @@ def test_dry_run_prints_the_plan_and_bad_overrides_are_refused(capsys):
 def test_without_cuda_the_run_refuses_to_start(tmp_path, capsys):
     assert gpu_demo.main(["--out", str(tmp_path / "out")]) == 2
     assert "no CUDA device" in capsys.readouterr().err
-    assert not (tmp_path / "out").exists()                                # nothing was started
+    assert not (tmp_path / "out").exists()  # nothing was started
 
 
 def test_non_empty_work_dir_is_refused(tmp_path, capsys):
@@ -94,16 +109,16 @@ def test_non_empty_work_dir_is_refused(tmp_path, capsys):
 def test_deadline_cuts_the_block_and_is_cleared_after():
     with pytest.raises(gpu_demo.StageTimeout, match="slow stage"):
         with gpu_demo.deadline(time.time() + 0.05, "slow stage"):
-            for _ in range(500):                                          # bounded: 5 s at most
+            for _ in range(500):  # bounded: 5 s at most
                 time.sleep(0.01)
-    with pytest.raises(gpu_demo.StageTimeout):                           # already past: fires inside the block
+    with pytest.raises(gpu_demo.StageTimeout):  # already past: fires inside the block
         with gpu_demo.deadline(time.time() - 1, "late"):
             for _ in range(500):
                 time.sleep(0.01)
     with gpu_demo.deadline(time.time() + 0.05, "quick"):
         pass
     for _ in range(10):
-        time.sleep(0.01)                                                  # the cleared timer never fires
+        time.sleep(0.01)  # the cleared timer never fires
 
 
 def test_run_records_a_cut_stage_and_a_failed_one(tmp_path):
@@ -118,8 +133,11 @@ def test_run_records_a_cut_stage_and_a_failed_one(tmp_path):
     with run.stage("fine") as rec:
         rec["note"] = "all good"
     saved = json.loads((tmp_path / "gpu_demo.json").read_text())
-    assert [(s["name"], s["status"]) for s in saved["stages"]] == [("slow", "cut"), ("broken", "failed"),
-                                                                   ("fine", "done")]
+    assert [(s["name"], s["status"]) for s in saved["stages"]] == [
+        ("slow", "cut"),
+        ("broken", "failed"),
+        ("fine", "done"),
+    ]
     assert saved["stages"][1]["note"] == "ValueError: bad input" and saved["stages"][2]["note"] == "all good"
 
 
@@ -135,7 +153,7 @@ def test_an_eval_cut_keeps_the_finished_tasks(tmp_path, monkeypatch):
 
     def evaluate(target, tokenizer, chosen, rows, cfg):
         (task,) = chosen
-        if task == "code-foreign" and cfg.max_new_tokens > 16:      # the real run of the second task hangs
+        if task == "code-foreign" and cfg.max_new_tokens > 16:  # the real run of the second task hangs
             for _ in range(1000):
                 time.sleep(0.01)
         return {"config": {"k": 3, "methods": ["ngram"]}, "tasks": {task: {"prompts": len(chosen[task])}}}
@@ -144,9 +162,15 @@ def test_an_eval_cut_keeps_the_finished_tasks(tmp_path, monkeypatch):
     monkeypatch.setattr(pipeline, "build_eval_rows", lambda *a, **k: {})
     monkeypatch.setattr(pipeline, "eval_rows", lambda *a, **k: {})
     monkeypatch.setattr(reference, "tasks", lambda names: {t: [{"messages": []}] * 3 for t in names})
-    recipe = type("R", (), {"eval": EvalConfig(tasks=tasks, max_new_tokens=64),
-                            "drafter": type("D", (), {"method": "ngram"}),
-                            "target": type("T", (), {"name_or_path": "reference"})})()
+    recipe = type(
+        "R",
+        (),
+        {
+            "eval": EvalConfig(tasks=tasks, max_new_tokens=64),
+            "drafter": type("D", (), {"method": "ngram"}),
+            "target": type("T", (), {"name_or_path": "reference"}),
+        },
+    )()
     run = gpu_demo.Run(tmp_path, time.time(), 600.0, {"budget_s": 600.0})
     run.deadlines["eval"] = time.time() + 2.0
     with run.stage("eval", run.deadlines["eval"]) as rec:
@@ -158,24 +182,48 @@ def test_an_eval_cut_keeps_the_finished_tasks(tmp_path, monkeypatch):
 
 def _result(cuts=()):
     """A result record as ``execute`` fills it, with made-up figures (formatting only)."""
-    row = {"tau": 3.1, "acceptance_rate": 0.42, "accepted_per_pos": [0.8, 0.6, 0.4, 0.3, 0.2], "tokens_per_s": 420.0,
-           "speedup": 1.9, "draft_ms_per_token": 0.8}
+    row = {
+        "tau": 3.1,
+        "acceptance_rate": 0.42,
+        "accepted_per_pos": [0.8, 0.6, 0.4, 0.3, 0.2],
+        "tokens_per_s": 420.0,
+        "speedup": 1.9,
+        "draft_ms_per_token": 0.8,
+    }
     plain = {"tokens_per_s": 220.0, "ms_per_token": 4.5, "new_tokens": 512, "seconds": 2.3}
-    report = {"config": {"k": 5, "max_new_tokens": 64, "methods": ["eagle3", "ngram"]},
-              "tasks": {t: {"prompts": 8, "plain": plain, "eagle3": row, "ngram": row} for t in ("code-complete",
-                                                                                                 "docstring")}}
+    report = {
+        "config": {"k": 5, "max_new_tokens": 64, "methods": ["eagle3", "ngram"]},
+        "tasks": {
+            t: {"prompts": 8, "plain": plain, "eagle3": row, "ngram": row} for t in ("code-complete", "docstring")
+        },
+    }
     from draftsmith.evaluation.heldout import format_table
 
-    return {"device": {"type": "cuda", "name": "NVIDIA H200", "memory_gib": 139.8, "capability": "9.0"},
-            "versions": {"torch": "2.11.0+cu130", "cuda": "13.0", "transformers": "5.24.0", "accelerate": "1.15.0",
-                         "draftsmith": {"version": "0.1.0"}},
-            "settings": {"budget_s": 420.0, "target_dtype": "float32",
-                         "train": {"max_steps": 400, "mixed_precision": "bf16", "mode": "online"},
-                         "eval": {"k": 5, "prompts_per_task": 8, "max_new_tokens": 64}},
-            "train": {"steps": 350},
-            "stages": [{"name": "prepare", "seconds": 31.5, "status": "done", "note": "2400 conversations"},
-                       {"name": "train", "seconds": 80.0, "status": "cut", "note": "350 of 400 steps"}],
-            "cuts": list(cuts), "table": format_table(report), "wall_clock_s": 300.2, "peak_gpu_memory_gib": 2.5}
+    return {
+        "device": {"type": "cuda", "name": "NVIDIA H200", "memory_gib": 139.8, "capability": "9.0"},
+        "versions": {
+            "torch": "2.11.0+cu130",
+            "cuda": "13.0",
+            "transformers": "5.24.0",
+            "accelerate": "1.15.0",
+            "draftsmith": {"version": "0.1.0"},
+        },
+        "settings": {
+            "budget_s": 420.0,
+            "target_dtype": "float32",
+            "train": {"max_steps": 400, "mixed_precision": "bf16", "mode": "online"},
+            "eval": {"k": 5, "prompts_per_task": 8, "max_new_tokens": 64},
+        },
+        "train": {"steps": 350},
+        "stages": [
+            {"name": "prepare", "seconds": 31.5, "status": "done", "note": "2400 conversations"},
+            {"name": "train", "seconds": 80.0, "status": "cut", "note": "350 of 400 steps"},
+        ],
+        "cuts": list(cuts),
+        "table": format_table(report),
+        "wall_clock_s": 300.2,
+        "peak_gpu_memory_gib": 2.5,
+    }
 
 
 def test_summary_names_the_gpu_settings_stages_and_cuts():
@@ -200,8 +248,9 @@ def test_summary_of_a_run_stopped_before_eval():
 @pytest.fixture
 def gpu_opted_in(request):
     """Skip unless asked for (DRAFTSMITH_RUN_GPU=1 or ``-m gpu``) and CUDA is present."""
-    asked = os.environ.get("DRAFTSMITH_RUN_GPU") == "1" or "gpu" in (request.config.getoption("markexpr", default="")
-                                                                     or "")
+    asked = os.environ.get("DRAFTSMITH_RUN_GPU") == "1" or "gpu" in (
+        request.config.getoption("markexpr", default="") or ""
+    )
     if not asked:
         pytest.skip("opt-in: DRAFTSMITH_RUN_GPU=1 (or -m gpu)")
     if not torch.cuda.is_available():
@@ -212,8 +261,14 @@ def gpu_opted_in(request):
 def test_gpu_demo_runs_for_real(tmp_path, gpu_opted_in):
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable}
-    done = subprocess.run(["bash", str(SCRIPTS / "gpu_demo.sh"), "--budget-s", "420"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_demo.sh"), "--budget-s", "420"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(done.stdout[-6000:])
     assert done.returncode in (0, 4), done.stdout[-3000:] + done.stderr[-3000:]
     res = json.loads((out / "gpu_demo.json").read_text())
@@ -221,7 +276,7 @@ def test_gpu_demo_runs_for_real(tmp_path, gpu_opted_in):
     assert res["table"].splitlines()[0].startswith("task")
     for task, rows in res["eval"]["tasks"].items():
         for method in res["eval"]["config"]["methods"]:
-            assert rows[method]["greedy_mismatches"] == 0, (task, method)   # greedy speculation is lossless
+            assert rows[method]["greedy_mismatches"] == 0, (task, method)  # greedy speculation is lossless
 
 
 @pytest.mark.gpu

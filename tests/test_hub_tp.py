@@ -1,17 +1,17 @@
 """`draftsmith push --dry-run` and the tensor-parallel layout check (no network)."""
-import pytest
-import torch
 
-from draftsmith.pipeline.hub import plan_push, push_head
+import pytest
+
 from draftsmith.export.metadata import HeadMismatchError
 from draftsmith.export.tensor_parallel import tensor_parallel_problems
+from draftsmith.pipeline.hub import plan_push, push_head
 
 
 @pytest.fixture
 def head_dir(tiny_llama, tmp_path):
-    from draftsmith.identity import target_identity
     from draftsmith.drafters.eagle3.export import export_eagle3
     from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
 
     target = tiny_llama(seed=9)
     head = Eagle3Head(Eagle3Config.from_target(target.config, aux_layer_ids=(1, 2, 3)))
@@ -43,9 +43,11 @@ def test_push_refuses_corrupted_head_and_bad_repo_id(head_dir):
 def test_tensor_parallel_problems():
     cfg = {"num_attention_heads": 6, "num_key_value_heads": 2, "intermediate_size": 960}
     assert tensor_parallel_problems(cfg, 2) == []
-    assert tensor_parallel_problems(cfg, 6) == []         # 2 KV heads replicated over 6 ranks
+    assert tensor_parallel_problems(cfg, 6) == []  # 2 KV heads replicated over 6 ranks
     problems = tensor_parallel_problems(cfg, 4)
     assert len(problems) == 1 and "num_attention_heads 6" in problems[0]
-    assert len(tensor_parallel_problems(cfg, 7)) == 3     # heads, KV heads and intermediate size
-    assert len(tensor_parallel_problems({"num_attention_heads": 8, "num_key_value_heads": 3,
-                                         "intermediate_size": 12}, 2)) == 1
+    assert len(tensor_parallel_problems(cfg, 7)) == 3  # heads, KV heads and intermediate size
+    assert (
+        len(tensor_parallel_problems({"num_attention_heads": 8, "num_key_value_heads": 3, "intermediate_size": 12}, 2))
+        == 1
+    )

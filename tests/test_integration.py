@@ -1,20 +1,19 @@
 """End to end on the reference target: prepare -> train -> export -> check -> lossless decoding.
 
 Marked slow (minutes on 2 CPU cores); part of `make test`."""
-import shutil
 
 import pytest
 import torch
 
 from draftsmith import reference
 from draftsmith.config import load_config
+from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
+from draftsmith.core.target import TargetModel
 from draftsmith.data_pipeline.chat import prompt_ids
 from draftsmith.drafters.eagle3.check import check_head, load_eagle3
 from draftsmith.export.metadata import HeadMismatchError
-from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
-from draftsmith.core.target import TargetModel
-from draftsmith.pipeline.stages import build_eval_rows, eval_rows, run_train
 from draftsmith.pipeline.recipe import Recipe
+from draftsmith.pipeline.stages import build_eval_rows, eval_rows, run_train
 
 pytestmark = pytest.mark.slow
 NUM_PROMPTS = 20
@@ -26,10 +25,22 @@ def trained(tmp_path_factory):
     """A briefly trained head (losslessness holds for any head; a few steps keep it quick)."""
     torch.set_num_threads(2)
     out = tmp_path_factory.mktemp("runs")
-    recipe = load_config(Recipe, None, [
-        f"out_dir={out}", "name=it", "data.num_conversations=24", "data.heldout_conversations=0",
-        "data.regenerate=false", "data.max_length=256", "data.draft_vocab_size=1024",
-        "train.max_steps=4", "train.batch_size=6", "train.epochs=1"])
+    recipe = load_config(
+        Recipe,
+        None,
+        [
+            f"out_dir={out}",
+            "name=it",
+            "data.num_conversations=24",
+            "data.heldout_conversations=0",
+            "data.regenerate=false",
+            "data.max_length=256",
+            "data.draft_vocab_size=1024",
+            "train.max_steps=4",
+            "train.batch_size=6",
+            "train.epochs=1",
+        ],
+    )
     target, tok = reference.target()
     head_dir = run_train(recipe, target, tok)
     return target, tok, head_dir
@@ -39,7 +50,7 @@ def trained(tmp_path_factory):
 def prompts(trained):
     _, tok, _ = trained
     tasks = reference.tasks()
-    picked = [r for name in reference.TASK_NAMES for r in tasks[name][:NUM_PROMPTS // 4]]
+    picked = [r for name in reference.TASK_NAMES for r in tasks[name][: NUM_PROMPTS // 4]]
     return [prompt_ids(tok, r["messages"]) for r in picked]
 
 

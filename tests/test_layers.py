@@ -12,6 +12,7 @@ Layers, lowest first (a module may import its own layer and those below, never a
     cli        the command line
 Imports inside functions count too (``ast``, not a running interpreter).
 """
+
 from __future__ import annotations
 
 import ast
@@ -23,9 +24,20 @@ from pathlib import Path
 import pytest
 
 from draftsmith import drafters
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "draftsmith"
-LAYERS = {"base": 0, "core": 1, "data_pipeline": 2, "train": 3, "export": 3, "drafters": 4, "serve": 5,
-          "evaluation": 5, "pipeline": 6, "cli": 7}
+LAYERS = {
+    "base": 0,
+    "core": 1,
+    "data_pipeline": 2,
+    "train": 3,
+    "export": 3,
+    "drafters": 4,
+    "serve": 5,
+    "evaluation": 5,
+    "pipeline": 6,
+    "cli": 7,
+}
 BASE = {"config", "precision", "sizes", "models", "sources", "arguments", "reference", "identity", "__init__"}
 
 
@@ -80,7 +92,7 @@ def test_no_import_cycle_between_folders():
 
     def visit(node):
         if node in stack:
-            cycles.append(stack[stack.index(node):] + [node])
+            cycles.append(stack[stack.index(node) :] + [node])
             return
         if node in seen:
             return
@@ -96,8 +108,13 @@ def test_no_import_cycle_between_folders():
 
 
 def test_the_verification_core_imports_nothing_above_it():
-    above = {unit(t) for name, path in modules().items() if unit(name) == "core"
-             for t in imports(path) if unit(t) not in ("core", "base")}
+    above = {
+        unit(t)
+        for name, path in modules().items()
+        if unit(name) == "core"
+        for t in imports(path)
+        if unit(t) not in ("core", "base")
+    }
     assert not above, f"the core imports {above}"
     base = {t for name, path in modules().items() if unit(name) == "core" for t in imports(path) if unit(t) == "base"}
     assert base <= {"draftsmith"}, f"the core imports base modules {base}: it stands on torch and transformers alone"
@@ -106,16 +123,21 @@ def test_the_verification_core_imports_nothing_above_it():
 def code_strings(path: Path) -> list[tuple[int, str]]:
     """String literals of ``path`` that are code, not docstrings or comments: (line, value)."""
     tree = ast.parse(path.read_text())
-    docstrings = {node.body[0].value.lineno for node in ast.walk(tree)
-                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-                  and node.body and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)
-                  and isinstance(node.body[0].value.value, str)}
+    docstrings = {
+        node.body[0].value.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
     out = []
     for tok in tokenize.generate_tokens(io.StringIO(path.read_text()).readline):
         if tok.type == tokenize.STRING and tok.start[0] not in docstrings:
             try:
                 out.append((tok.start[0], ast.literal_eval(tok.string)))
-            except (ValueError, SyntaxError):        # f-strings: their text is messages, not comparisons
+            except (ValueError, SyntaxError):  # f-strings: their text is messages, not comparisons
                 continue
     return out
 
@@ -124,6 +146,11 @@ def code_strings(path: Path) -> list[tuple[int, str]]:
 def test_no_drafter_name_outside_the_drafters_folders(name):
     """A drafter's name is data of the registry: no code outside src/draftsmith/drafters/ spells it (so nothing
     there can compare it), whatever module it is in."""
-    hits = [f"{path.relative_to(PACKAGE)}:{line}" for mod, path in modules().items() if unit(mod) != "drafters"
-            for line, value in code_strings(path) if value == name]
+    hits = [
+        f"{path.relative_to(PACKAGE)}:{line}"
+        for mod, path in modules().items()
+        if unit(mod) != "drafters"
+        for line, value in code_strings(path)
+        if value == name
+    ]
     assert not hits, f"{name!r} spelled outside drafters/: {hits}"

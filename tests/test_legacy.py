@@ -1,6 +1,7 @@
 """Runs written by draftsmith 0.1 (``tests/data/legacy-v0.1``: before the drafter registry and the ``src/`` layout)
 still work: the recipe stored in each checkpoint is migrated (``pipeline.recipe.Recipe.migrate``), the
 checkpoint re-exports to the weights 0.1 exported, training resumes from it, and the 0.1 exports are served."""
+
 from __future__ import annotations
 
 import json
@@ -34,18 +35,18 @@ def stored_recipe(root: Path, name: str) -> dict:
 @pytest.mark.parametrize("name", RUNS)
 def test_stored_recipes_migrate_to_one_drafter_section(legacy, name, tmp_path):
     old = stored_recipe(legacy, name)
-    assert "method" in old and "drafter" not in old                     # the 0.1 schema
+    assert "method" in old and "drafter" not in old  # the 0.1 schema
     recipe = from_dict(Recipe, old)
     assert recipe.drafter.method == name
-    assert recipe.drafter.num_speculative_tokens == old["eval"]["k"]     # 0.1's eval.k: the one k now
+    assert recipe.drafter.num_speculative_tokens == old["eval"]["k"]  # 0.1's eval.k: the one k now
     if name == "eagle3":
         assert recipe.drafter.ttt_steps == old["head"]["ttt_steps"] == 3
         assert recipe.drafter.aux_layer_ids == [1, 2, 3]
     if name == "mlp_speculator":
         assert recipe.drafter.n_predict == old["mlp_speculator"]["n_predict"]
     labels = set(recipe.eval.drafters)
-    assert "ngram" in labels and name not in labels                      # 0.1's eval.methods become rows
-    path = tmp_path / f"{name}.yaml"                                      # the same recipe as a 0.1 YAML file
+    assert "ngram" in labels and name not in labels  # 0.1's eval.methods become rows
+    path = tmp_path / f"{name}.yaml"  # the same recipe as a 0.1 YAML file
     path.write_text(yaml.safe_dump(old))
     assert load_config(Recipe, path) == recipe
 
@@ -74,7 +75,7 @@ def test_training_resumes_from_a_01_checkpoint(legacy, name):
     assert meta["training"]["steps"] == 3 and meta["head_type"] == name
     log = json.loads((legacy / "runs" / name / "train" / "train_log.json").read_text())
     steps = [e["step"] for e in (log if isinstance(log, list) else log["log"])]
-    assert steps[-1] == 3 and steps.count(1) == 1                          # steps 1-2 from 0.1, step 3 resumed
+    assert steps[-1] == 3 and steps.count(1) == 1  # steps 1-2 from 0.1, step 3 resumed
 
 
 @pytest.mark.parametrize("name", RUNS)

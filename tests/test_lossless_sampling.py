@@ -5,6 +5,7 @@ Every registered drafter is held to the same chi-square tests by ``test_contract
 and q alike, the test has power (a biased residual is caught), and a target drafting for itself accepts
 everything. The stub target, its exact law and the tests' thresholds are in ``tests/lossless.py``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,23 @@ from draftsmith.core import verify
 from draftsmith.core.generate import GenerationConfig, SpecStats, generate_speculative
 from draftsmith.core.target import TargetModel
 from draftsmith.drafters.draft_model.proposer import DraftModelProposer
-from lossless import (ALPHA, DRAFT_TABLE, K, NEW, TARGET_TABLE, TRIALS, TrigramLM, V, check_counters, exact_law,
-                      homogeneity_pvalue, pair_counts, pair_law, pooled_pvalue, run_trials)
+from lossless import (
+    ALPHA,
+    DRAFT_TABLE,
+    NEW,
+    TARGET_TABLE,
+    TRIALS,
+    K,
+    TrigramLM,
+    V,
+    check_counters,
+    exact_law,
+    homogeneity_pvalue,
+    pair_counts,
+    pair_law,
+    pooled_pvalue,
+    run_trials,
+)
 
 
 def make_proposer(method: str, target: TargetModel, settings: dict):
@@ -27,13 +43,16 @@ def make_proposer(method: str, target: TargetModel, settings: dict):
 def run(method: str, settings: dict, trials: int = TRIALS):
     """``lossless.run_trials`` with plain sampling or a hand-built proposer (one per trial)."""
     target = TargetModel(TrigramLM(TARGET_TABLE))
-    proposer = None if method == "plain" else make_proposer(method, target, settings)   # one for all trials
+    proposer = None if method == "plain" else make_proposer(method, target, settings)  # one for all trials
     make = None if proposer is None else (lambda seed: proposer)
     return run_trials(target, make, settings, trials)
 
 
-SETTINGS = {"T=0.5": dict(temperature=0.5), "T=1.0": dict(temperature=1.0),
-            "T=1.0,top_k=5,top_p=0.9": dict(temperature=1.0, top_k=5, top_p=0.9)}
+SETTINGS = {
+    "T=0.5": dict(temperature=0.5),
+    "T=1.0": dict(temperature=1.0),
+    "T=1.0,top_k=5,top_p=0.9": dict(temperature=1.0, top_k=5, top_p=0.9),
+}
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +78,7 @@ def test_top_k_top_p_apply_to_p_and_q(plain_runs):
         expected = TRIALS * pair_law(law, i)
         assert pooled_pvalue(pair_counts(seqs, i), expected) > ALPHA
         assert homogeneity_pvalue(pair_counts(seqs, i), pair_counts(plain_runs[setting], i), expected) > ALPHA
-        assert (pair_counts(seqs, i)[pair_law(law, i) == 0] == 0).all()        # truncated tokens never appear
+        assert (pair_counts(seqs, i)[pair_law(law, i) == 0] == 0).all()  # truncated tokens never appear
 
 
 def test_chi_square_has_power(monkeypatch):

@@ -1,4 +1,5 @@
 """The memory plan on tiny configs: exact counts, advice that works, and a refusal before anything is loaded."""
+
 from __future__ import annotations
 
 import sys
@@ -27,9 +28,9 @@ def _tokenizer():
 @pytest.fixture(scope="module")
 def folders(tiny_llama, tmp_path_factory):
     """Saved tiny target, tiny draft (same tokenizer) and an exported EAGLE-3 head."""
-    from draftsmith.identity import target_identity
     from draftsmith.drafters.eagle3.export import export_eagle3
     from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
 
     root = tmp_path_factory.mktemp("memory")
     target = tiny_llama(seed=0)
@@ -48,7 +49,7 @@ def test_weights_and_kv_are_counted_exactly(folders):
     c = target.config
     plan = plan_memory(c, dtype="float32", max_model_len=100, free_bytes=2**40)
     assert plan.items["target weights"] == sum(p.numel() for p in target.parameters()) * 4
-    assert kv_bytes_per_token(c, "float32") == 2 * 4 * 2 * (32 // 4) * 4        # K,V x layers x kv heads x hd x b
+    assert kv_bytes_per_token(c, "float32") == 2 * 4 * 2 * (32 // 4) * 4  # K,V x layers x kv heads x hd x b
     assert plan.items["target KV cache"] == 100 * kv_bytes_per_token(c, "float32")
     bf16 = plan_memory(c, dtype="bfloat16", max_model_len=100, free_bytes=2**40)
     assert bf16.items["target weights"] * 2 == plan.items["target weights"]
@@ -69,8 +70,9 @@ def _items(method: str, model=None, dtype: str = "float32", c=None):
     from draftsmith import drafters
     from draftsmith.drafters.speculative import SpeculativeConfig
 
-    spec = SpeculativeConfig.from_dict({"method": method, "num_speculative_tokens": 3,
-                                        **({"model": str(model)} if model is not None else {})})
+    spec = SpeculativeConfig.from_dict(
+        {"method": method, "num_speculative_tokens": 3, **({"model": str(model)} if model is not None else {})}
+    )
     return drafters.get(method).memory(spec, c, dtype)
 
 
@@ -79,11 +81,11 @@ def test_drafters_are_counted(folders):
 
     root, c = folders["root"], folders["target"].config
     draft = plan_memory(c, max_model_len=64, drafter=_items("draft_model", root / "draft", c=c), free_bytes=2**40)
-    assert draft.items["draft model KV cache"] == 64 * 2 * 1 * 2 * 8 * 4           # one layer
+    assert draft.items["draft model KV cache"] == 64 * 2 * 1 * 2 * 8 * 4  # one layer
     assert draft.items["draft model weights"] > 0
     eagle = plan_memory(c, max_model_len=64, drafter=_items("eagle3", root / "head", c=c), free_bytes=2**40)
     head_params = sum(p.numel() for p in folders["head"].parameters())
-    assert eagle.items["EAGLE-3 head weights"] >= head_params * 4 * 0.9            # the exported tensors
+    assert eagle.items["EAGLE-3 head weights"] >= head_params * 4 * 0.9  # the exported tensors
     assert eagle.items["EAGLE-3 head KV cache"] == 64 * 2 * 2 * 8 * 4
     ngram = plan_memory(c, max_model_len=64, drafter=_items("ngram", c=c), free_bytes=2**40)
     assert set(ngram.items) == {"target weights", "target KV cache", "prefill activations", "margin (10%)"}
@@ -93,10 +95,10 @@ def test_drafters_are_counted(folders):
 
 def test_small_free_memory_stops_with_advice_that_works(folders):
     root, c = folders["root"], folders["target"].config
-    same = _items("draft_model", root / "target", c=c)                             # a draft as large as the target
+    same = _items("draft_model", root / "target", c=c)  # a draft as large as the target
     full = plan_memory(c, max_model_len=512, drafter=same, free_bytes=2**40)
     weights = full.items["target weights"] + full.items["draft model weights"]
-    free = weights * 1.1 + (full.total_bytes - weights * 1.1) // 4               # room for about a quarter of the length
+    free = weights * 1.1 + (full.total_bytes - weights * 1.1) // 4  # room for about a quarter of the length
     plan = plan_memory(c, max_model_len=512, drafter=same, free_bytes=int(free))
     assert not plan.fits
     with pytest.raises(MemoryPlanError) as e:
@@ -107,7 +109,7 @@ def test_small_free_memory_stops_with_advice_that_works(folders):
     suggested = int(message.split("--max-model-len ")[1].split()[0])
     assert 16 <= suggested < 512
     assert plan_memory(c, max_model_len=suggested, drafter=same, free_bytes=int(free)).fits
-    tiny = plan_memory(c, max_model_len=512, free_bytes=MIB // 8)                  # not even the weights
+    tiny = plan_memory(c, max_model_len=512, free_bytes=MIB // 8)  # not even the weights
     assert "a shorter max length will not do" in "\n".join(tiny.advice)
 
 
@@ -120,17 +122,20 @@ def test_engine_refuses_before_loading(folders, monkeypatch):
     def must_not_load(*args, **kwargs):
         raise AssertionError("weights were loaded before the memory plan refused")
 
-    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 64 * 1024)        # a fake, tiny free memory
+    monkeypatch.setattr(memory, "free_memory_bytes", lambda device: 64 * 1024)  # a fake, tiny free memory
     monkeypatch.setattr(models, "load_causal_lm", must_not_load)
-    for spec in (None, {"method": "draft_model", "model": str(root / "draft"), "num_speculative_tokens": 3},
-                 {"method": "eagle3", "model": str(root / "head"), "num_speculative_tokens": 3}):
+    for spec in (
+        None,
+        {"method": "draft_model", "model": str(root / "draft"), "num_speculative_tokens": 3},
+        {"method": "eagle3", "model": str(root / "head"), "num_speculative_tokens": 3},
+    ):
         with pytest.raises(MemoryPlanError, match="does NOT fit"):
             Engine.from_pretrained(str(root / "target"), spec, device="cpu")
     monkeypatch.undo()
-    engine = Engine.from_pretrained(str(root / "target"), device="cpu", max_model_len=64)   # real free memory
+    engine = Engine.from_pretrained(str(root / "target"), device="cpu", max_model_len=64)  # real free memory
     assert engine.max_model_len == 64
-    from draftsmith.serve.engine import RequestError
     from draftsmith.core.generate import GenerationConfig
+    from draftsmith.serve.engine import RequestError
 
     with pytest.raises(RequestError, match="maximum context length is 64"):
         engine.generate([5] * 60, GenerationConfig(max_new_tokens=8))
@@ -149,5 +154,5 @@ def test_cli_prints_the_advice(folders, monkeypatch, capsys):
 
 def test_free_memory_bytes_on_cpu(monkeypatch):
     assert memory.free_memory_bytes("cpu") > 0
-    monkeypatch.setitem(sys.modules, "psutil", None)                                  # no psutil: /proc/meminfo
+    monkeypatch.setitem(sys.modules, "psutil", None)  # no psutil: /proc/meminfo
     assert memory.free_memory_bytes("cpu") > 0

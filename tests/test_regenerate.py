@@ -3,24 +3,30 @@
 The server tests run draftsmith's own server (``inference/server.py``) or a FastAPI stub with uvicorn
 on 127.0.0.1 (an OS-chosen port) in a thread; nothing leaves the machine.
 """
+
 import json
 import socket
 import threading
 import time
 
 import pytest
-import torch
 
 from draftsmith.config import ConfigError, load_config
 from draftsmith.data_pipeline import regenerate as regen
-from draftsmith.data_pipeline.prepare import prepare
 from draftsmith.data_pipeline.config import DataConfig
-from draftsmith.data_pipeline.regenerate import (Answer, RuntimeAnswerer, ServerAnswerer, ServerError,
-                                                 TransformersAnswerer, answer_seed, make_answerer, regenerate)
+from draftsmith.data_pipeline.prepare import prepare
+from draftsmith.data_pipeline.regenerate import (
+    Answer,
+    RuntimeAnswerer,
+    ServerAnswerer,
+    ServerError,
+    TransformersAnswerer,
+    answer_seed,
+    make_answerer,
+    regenerate,
+)
 
 MAX_NEW = 6
-
-
 
 
 @pytest.fixture(scope="module")
@@ -35,9 +41,15 @@ def conv(question, *answers):
     return {"messages": messages[:-1], "provenance": {"source": "test"}}
 
 
-CONVERSATIONS = [conv("Hi", "Hello"), conv("Add", "def add", "again"), conv("How are you?", "fine"),
-                 conv("x", "y", "z", "w"), conv("a", "b"), conv("Hello", "there")]
-NUM_BATCHES = 3 + 1 + 1                 # batch_size 2: turn 0 has 6 answers, turn 1 two, turn 2 one
+CONVERSATIONS = [
+    conv("Hi", "Hello"),
+    conv("Add", "def add", "again"),
+    conv("How are you?", "fine"),
+    conv("x", "y", "z", "w"),
+    conv("a", "b"),
+    conv("Hello", "there"),
+]
+NUM_BATCHES = 3 + 1 + 1  # batch_size 2: turn 0 has 6 answers, turn 1 two, turn 2 one
 KW = dict(max_new_tokens=MAX_NEW, batch_size=2, seed=0, progress=False)
 
 
@@ -68,12 +80,19 @@ def test_transformers_and_runtime_answer_alike(target, chatml):
     assert assistant_texts(hf) != assistant_texts(CONVERSATIONS)
     for c, original in zip(rt, CONVERSATIONS):
         assert [m["role"] for m in c["messages"]] == [m["role"] for m in original["messages"]]
-        assert [m["content"] for m in c["messages"] if m["role"] != "assistant"] == \
-            [m["content"] for m in original["messages"] if m["role"] != "assistant"]
+        assert [m["content"] for m in c["messages"] if m["role"] != "assistant"] == [
+            m["content"] for m in original["messages"] if m["role"] != "assistant"
+        ]
         assert c["provenance"]["source"] == "test" and c["provenance"]["unfinished"] in (True, False)
-        assert c["provenance"]["regenerated_by"] == {"engine": "draftsmith", "name_or_path": "tiny", "revision": None,
-                                                     "max_new_tokens": MAX_NEW, "temperature": 0.0, "seed": 0}
-    assert CONVERSATIONS[1]["messages"][1]["content"] == "def add"           # inputs untouched
+        assert c["provenance"]["regenerated_by"] == {
+            "engine": "draftsmith",
+            "name_or_path": "tiny",
+            "revision": None,
+            "max_new_tokens": MAX_NEW,
+            "temperature": 0.0,
+            "seed": 0,
+        }
+    assert CONVERSATIONS[1]["messages"][1]["content"] == "def add"  # inputs untouched
 
 
 def test_later_turns_see_earlier_regenerated_answers(target, chatml):
@@ -111,16 +130,16 @@ def test_resume_after_kill_answers_only_the_missing_batches(target, chatml, tmp_
     lines = journal.read_text().splitlines()
     assert json.loads(lines[0])["format"] == regen.JOURNAL_FORMAT and len(lines) == 1 + 3 * 2
     with open(journal, "a") as f:
-        f.write('{"conversation": 5, "turn": 0, "cont')             # a kill in the middle of a write
+        f.write('{"conversation": 5, "turn": 0, "cont')  # a kill in the middle of a write
 
     resumed = Recording(answerer)
     out = regenerate(resumed, CONVERSATIONS, **KW, temperature=1.0, journal=journal)
     assert len(resumed.batches) == NUM_BATCHES - 3
-    assert out == fresh                                           # same answers, same seeds, same provenance
+    assert out == fresh  # same answers, same seeds, same provenance
     again = Recording(answerer)
     assert regenerate(again, CONVERSATIONS, **KW, temperature=1.0, journal=journal) == fresh and not again.batches
 
-    other = Recording(answerer)                                   # other settings: the journal is not reused
+    other = Recording(answerer)  # other settings: the journal is not reused
     regenerate(other, CONVERSATIONS, **{**KW, "max_new_tokens": MAX_NEW + 1}, journal=journal)
     assert len(other.batches) == NUM_BATCHES
 
@@ -160,7 +179,7 @@ class Loopback:
 
     def __enter__(self):
         self.thread.start()
-        for _ in range(500):                                  # wait for startup (not a timing assertion)
+        for _ in range(500):  # wait for startup (not a timing assertion)
             if self.server.started:
                 return self
             time.sleep(0.01)
@@ -183,8 +202,13 @@ def draftsmith_server(target, chatml):
 
 def test_server_engine_on_draftsmith_serve_equals_the_runtime(target, chatml, draftsmith_server):
     answerer = ServerAnswerer(draftsmith_server + "/v1/", "tiny-served", revision="abc123")
-    assert answerer.identity() == {"engine": "server", "url": draftsmith_server, "name_or_path": "tiny-served",
-                                   "root": None, "revision": "abc123"}
+    assert answerer.identity() == {
+        "engine": "server",
+        "url": draftsmith_server,
+        "name_or_path": "tiny-served",
+        "root": None,
+        "revision": "abc123",
+    }
     for temperature in (0.0, 1.5):
         served = regenerate(answerer, CONVERSATIONS, **KW, temperature=temperature)
         local = regenerate(RuntimeAnswerer(target, chatml, "tiny"), CONVERSATIONS, **KW, temperature=temperature)
@@ -204,8 +228,13 @@ def stub_server():
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "served-name", "root": "/models/llama-3.1-8b"},
-                                           {"id": "lora-adapter", "root": "/adapters/x"}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": "served-name", "root": "/models/llama-3.1-8b"},
+                {"id": "lora-adapter", "root": "/adapters/x"},
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
@@ -214,8 +243,15 @@ def stub_server():
         if body["messages"][0]["content"] == "refuse me":
             return JSONResponse(status_code=400, content={"error": {"message": "prompt too long"}})
         text = f"{body['messages'][-1]['content']}|{body['max_tokens']}|{body['seed']}"
-        return {"choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "finish_reason": "length" if body["temperature"] > 0 else "stop"}]}
+        return {
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": "length" if body["temperature"] > 0 else "stop",
+                }
+            ]
+        }
 
     with Loopback(app) as server:
         server.requests = requests
@@ -223,16 +259,18 @@ def stub_server():
 
 
 def test_server_requests_and_model_choice(stub_server):
-    answerer = ServerAnswerer(stub_server.url, "/models/llama-3.1-8b")          # matched by vLLM's root
+    answerer = ServerAnswerer(stub_server.url, "/models/llama-3.1-8b")  # matched by vLLM's root
     assert answerer.model == "served-name" and answerer.root == "/models/llama-3.1-8b"
     stub_server.requests.clear()
     out = regenerate(answerer, CONVERSATIONS[:2], **KW)
     assert assistant_texts(out)[0] == [f"Hi|{MAX_NEW}|{answer_seed(0, 0, 0)}"]
-    assert all(r["model"] == "served-name" and r["temperature"] == 0.0 and r["max_tokens"] == MAX_NEW and r["n"] == 1
-               for r in stub_server.requests)
+    assert all(
+        r["model"] == "served-name" and r["temperature"] == 0.0 and r["max_tokens"] == MAX_NEW and r["n"] == 1
+        for r in stub_server.requests
+    )
     assert not any(c["provenance"]["unfinished"] for c in out)
     sampled = regenerate(answerer, CONVERSATIONS[:1], **KW, temperature=0.7)
-    assert sampled[0]["provenance"]["unfinished"]                               # finish_reason "length"
+    assert sampled[0]["provenance"]["unfinished"]  # finish_reason "length"
 
     with pytest.raises(ServerError, match="none is 'other-model'"):
         ServerAnswerer(stub_server.url, "other-model")
@@ -240,7 +278,7 @@ def test_server_requests_and_model_choice(stub_server):
         answerer.answer([[{"role": "user", "content": "refuse me"}]], 4, 0.0, [0])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    closed = f"http://127.0.0.1:{sock.getsockname()[1]}"                        # nothing listens there
+    closed = f"http://127.0.0.1:{sock.getsockname()[1]}"  # nothing listens there
     sock.close()
     with pytest.raises(ServerError, match="failed"):
         ServerAnswerer(closed, "x", retries=0)
@@ -263,8 +301,16 @@ def test_data_config_server_fields():
 def test_prepare_resumes_a_killed_regeneration_and_finalises(target, chatml, tmp_path, monkeypatch):
     source = tmp_path / "data.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
-    cfg = DataConfig(source=str(source), num_conversations=None, heldout_conversations=1, max_new_tokens=MAX_NEW,
-                     batch_size=2, max_length=64, draft_vocab_size=None, regenerate_engine="draftsmith")
+    cfg = DataConfig(
+        source=str(source),
+        num_conversations=None,
+        heldout_conversations=1,
+        max_new_tokens=MAX_NEW,
+        batch_size=2,
+        max_length=64,
+        draft_vocab_size=None,
+        regenerate_engine="draftsmith",
+    )
     fresh = prepare(cfg, target, chatml, "tiny", tmp_path / "fresh")
     assert not (tmp_path / "fresh" / "regenerate.partial.jsonl").exists()
 

@@ -4,6 +4,7 @@ Greedy output through the server is the same with and without speculation (ngram
 streaming concatenates to the non-streamed text; stop strings cut the text; /metrics shows the exact
 counter names and they grow; malformed requests get 4xx JSON errors and leave the server alive.
 """
+
 from __future__ import annotations
 
 import json
@@ -12,19 +13,24 @@ import re
 import pytest
 import torch
 
-from draftsmith.serve.engine import Engine, RequestCancelled, RequestError
-from draftsmith.drafters.speculative import SpeculativeConfig
-from draftsmith.core.stops import TextStream
 from draftsmith.core.generate import GenerationConfig, generate_plain
+from draftsmith.core.stops import TextStream
+from draftsmith.drafters.speculative import SpeculativeConfig
+from draftsmith.serve.engine import Engine, RequestCancelled, RequestError
 from draftsmith.serve.server import create_app
 
 V = 96
-CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|> {% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}")
-PROMPT = "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"          # repetitive: n-gram lookup finds drafts
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m.role }} {{ m.content }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+PROMPT = "w5 w6 w7 w8 w5 w6 w7 w8 w5 w6"  # repetitive: n-gram lookup finds drafts
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
-SPEC_COUNTERS = ["draftsmith:spec_decode_num_drafts_total", "draftsmith:spec_decode_num_draft_tokens_total",
-                 "draftsmith:spec_decode_num_accepted_tokens_total"]
+SPEC_COUNTERS = [
+    "draftsmith:spec_decode_num_drafts_total",
+    "draftsmith:spec_decode_num_draft_tokens_total",
+    "draftsmith:spec_decode_num_accepted_tokens_total",
+]
 PER_POS = "draftsmith:spec_decode_num_accepted_tokens_per_pos_total"
 
 
@@ -33,12 +39,24 @@ def make_tokenizer(words: int = 89):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    names = [f"w{i}" for i in range(words)] + ["<|im_start|>", "<|im_end|>", "user", "assistant", "system",
-                                                "<unk>", "<pad>"]
+    names = [f"w{i}" for i in range(words)] + [
+        "<|im_start|>",
+        "<|im_end|>",
+        "user",
+        "assistant",
+        "system",
+        "<unk>",
+        "<pad>",
+    ]
     backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(names)}, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", unk_token="<unk>",
-                                  pad_token="<pad>", additional_special_tokens=["<|im_start|>"])
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        eos_token="<|im_end|>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        additional_special_tokens=["<|im_start|>"],
+    )
     tok.chat_template = CHATML
     return tok
 
@@ -46,7 +64,7 @@ def make_tokenizer(words: int = 89):
 @pytest.fixture(scope="module")
 def target(tiny_llama):
     model = tiny_llama(seed=0, vocab_size=V)
-    model.generation_config.eos_token_id = 90           # <|im_end|>, as the tokenizer says
+    model.generation_config.eos_token_id = 90  # <|im_end|>, as the tokenizer says
     return model
 
 
@@ -74,8 +92,9 @@ def ngram_client(target, tokenizer):
 
 
 def complete(client, **body):
-    r = client.post("/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 16,
-                                             "temperature": 0} | body)
+    r = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0} | body
+    )
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -88,7 +107,7 @@ def sse(client, path, body) -> list:
         lines = [line for line in r.iter_lines() if line]
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
 def scrape(client) -> dict[str, float]:
@@ -105,17 +124,22 @@ def scrape(client) -> dict[str, float]:
 
 # --- completions and chat ---------------------------------------------------------------------------------
 
+
 def test_completion_matches_generate(plain_client, target, tokenizer):
     body = complete(plain_client)
     ids = tokenizer(PROMPT).input_ids
-    ref = generate_plain(Engine(target, tokenizer).target, ids,
-                         GenerationConfig(max_new_tokens=16, eos_token_ids=(90,)))
+    ref = generate_plain(
+        Engine(target, tokenizer).target, ids, GenerationConfig(max_new_tokens=16, eos_token_ids=(90,))
+    )
     choice = body["choices"][0]
     assert body["object"] == "text_completion" and body["model"] == "tiny"
     assert choice["text"] == tokenizer.decode(ref.tokens, skip_special_tokens=True)
     assert choice["finish_reason"] == ref.finish_reason
-    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(ref.tokens),
-                             "total_tokens": len(ids) + len(ref.tokens)}
+    assert body["usage"] == {
+        "prompt_tokens": len(ids),
+        "completion_tokens": len(ref.tokens),
+        "total_tokens": len(ids) + len(ref.tokens),
+    }
 
 
 def test_completion_token_ids_prompt_and_sampling(plain_client, tokenizer):
@@ -123,14 +147,23 @@ def test_completion_token_ids_prompt_and_sampling(plain_client, tokenizer):
     assert complete(plain_client, prompt=ids)["choices"][0]["text"] == complete(plain_client)["choices"][0]["text"]
     a = complete(plain_client, temperature=0.9, top_p=0.9, top_k=20, seed=7)
     b = complete(plain_client, temperature=0.9, top_p=0.9, top_k=20, seed=7)
-    assert a["choices"][0]["text"] == b["choices"][0]["text"]        # seeded sampling is reproducible
+    assert a["choices"][0]["text"] == b["choices"][0]["text"]  # seeded sampling is reproducible
 
 
 def test_completion_streaming_concatenates(plain_client):
     whole = complete(plain_client)["choices"][0]
-    events = sse(plain_client, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 16,
-                                                    "temperature": 0, "stream": True,
-                                                    "stream_options": {"include_usage": True}})
+    events = sse(
+        plain_client,
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": PROMPT,
+            "max_tokens": 16,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     chunks = [e for e in events if e["choices"]]
     assert all(e["object"] == "text_completion" for e in events)
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
@@ -141,21 +174,29 @@ def test_completion_streaming_concatenates(plain_client):
 
 def test_chat_and_chat_streaming(plain_client, target, tokenizer):
     messages = [{"role": "user", "content": "w5 w6 w7"}]
-    r = plain_client.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 12,
-                                                        "temperature": 0})
+    r = plain_client.post(
+        "/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0}
+    )
     assert r.status_code == 200, r.text
     body = r.json()
-    ids = tokenizer(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
-                    add_special_tokens=False).input_ids
-    assert ids[-2:] == [89, 92]                                        # ends with "<|im_start|> assistant"
-    ref = generate_plain(Engine(target, tokenizer).target, ids,
-                         GenerationConfig(max_new_tokens=12, eos_token_ids=(90,)))
+    ids = tokenizer(
+        tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False
+    ).input_ids
+    assert ids[-2:] == [89, 92]  # ends with "<|im_start|> assistant"
+    ref = generate_plain(
+        Engine(target, tokenizer).target, ids, GenerationConfig(max_new_tokens=12, eos_token_ids=(90,))
+    )
     assert body["object"] == "chat.completion"
-    assert body["choices"][0]["message"] == {"role": "assistant",
-                                             "content": tokenizer.decode(ref.tokens, skip_special_tokens=True)}
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": tokenizer.decode(ref.tokens, skip_special_tokens=True),
+    }
     assert body["usage"]["prompt_tokens"] == len(ids)
-    events = sse(plain_client, "/v1/chat/completions", {"model": "tiny", "messages": messages, "max_tokens": 12,
-                                                        "temperature": 0, "stream": True})
+    events = sse(
+        plain_client,
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": messages, "max_tokens": 12, "temperature": 0, "stream": True},
+    )
     assert events[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert all(e["object"] == "chat.completion.chunk" for e in events)
     text = "".join(e["choices"][0]["delta"].get("content", "") for e in events)
@@ -171,12 +212,13 @@ def test_models_and_health(plain_client):
 
 # --- stop strings -----------------------------------------------------------------------------------------
 
+
 def test_stop_string_cuts_text_and_tokens(target, tokenizer):
     engine = Engine(target, tokenizer, NGRAM)
     ids = tokenizer(PROMPT).input_ids
     full = engine.generate(ids, GenerationConfig(max_new_tokens=16))
     assert len(full.tokens) > 4
-    stop = " " + tokenizer.decode(full.tokens[3:5])                   # spans two tokens
+    stop = " " + tokenizer.decode(full.tokens[3:5])  # spans two tokens
     cut = engine.generate(ids, GenerationConfig(max_new_tokens=16), stop=["never there", stop])
     assert cut.finish_reason == "stop"
     assert cut.text == full.text[: full.text.find(stop)]
@@ -190,8 +232,11 @@ def test_stop_string_streaming(plain_client):
     stop = whole.split()[2]
     stopped = complete(plain_client, stop=stop)["choices"][0]
     assert stopped["finish_reason"] == "stop" and stopped["text"] == whole[: whole.find(stop)]
-    events = sse(plain_client, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "max_tokens": 16,
-                                                    "temperature": 0, "stop": [stop], "stream": True})
+    events = sse(
+        plain_client,
+        "/v1/completions",
+        {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stop": [stop], "stream": True},
+    )
     assert "".join(e["choices"][0]["text"] for e in events) == stopped["text"]
     assert events[-1]["choices"][0]["finish_reason"] == "stop"
 
@@ -199,13 +244,14 @@ def test_stop_string_streaming(plain_client):
 def test_text_stream_holds_back_stop_prefixes():
     class Chars:
         """Each token id is one character."""
+
         def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=None):
             return "".join(chr(i) for i in ids)
 
     sent = []
     stream = TextStream(Chars(), stop=["xyz"], on_text=sent.append)
     stream.add([ord("a"), ord("x")])
-    assert sent == ["a"]                                              # "x" may start "xyz"
+    assert sent == ["a"]  # "x" may start "xyz"
     stream.add([ord("y"), ord("b")])
     assert sent == ["a", "xyb"]
     stream.add([ord("x"), ord("y")])
@@ -215,6 +261,7 @@ def test_text_stream_holds_back_stop_prefixes():
 
 
 # --- speculation through the server -----------------------------------------------------------------------
+
 
 def test_ngram_greedy_equals_plain_and_metrics_grow(plain_client, ngram_client):
     before = scrape(ngram_client)
@@ -227,8 +274,9 @@ def test_ngram_greedy_equals_plain_and_metrics_grow(plain_client, ngram_client):
         assert spec["choices"][0]["text"] == plain["choices"][0]["text"]
     after = scrape(ngram_client)
     assert after["draftsmith:spec_decode_num_drafts_total"] > before["draftsmith:spec_decode_num_drafts_total"]
-    assert (after["draftsmith:spec_decode_num_draft_tokens_total"]
-            > before["draftsmith:spec_decode_num_draft_tokens_total"])
+    assert (
+        after["draftsmith:spec_decode_num_draft_tokens_total"] > before["draftsmith:spec_decode_num_draft_tokens_total"]
+    )
     per_pos = sum(v for k, v in after.items() if k.startswith(PER_POS + "{"))
     assert per_pos == after["draftsmith:spec_decode_num_accepted_tokens_total"]
     for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
@@ -253,9 +301,9 @@ def test_engine_stats_match_generate(target, tokenizer):
 
 
 def test_draft_model_and_eagle3_greedy_equal_plain(target, tokenizer, tiny_llama, tmp_path):
-    from draftsmith.identity import target_identity
     from draftsmith.drafters.eagle3.export import export_eagle3
     from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
 
     draft_dir = tmp_path / "draft"
     tiny_llama(seed=1, vocab_size=V, num_hidden_layers=1).save_pretrained(draft_dir)
@@ -267,8 +315,10 @@ def test_draft_model_and_eagle3_greedy_equal_plain(target, tokenizer, tiny_llama
     ids = tokenizer(PROMPT).input_ids
     cfg = GenerationConfig(max_new_tokens=12, eos_token_ids=(90,))
     plain = Engine(target, tokenizer).generate(ids, cfg)
-    for spec in ({"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3},
-                 {"model": str(head_dir), "num_speculative_tokens": 3}):      # method inferred: eagle3
+    for spec in (
+        {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3},
+        {"model": str(head_dir), "num_speculative_tokens": 3},
+    ):  # method inferred: eagle3
         engine = Engine(target, tokenizer, spec)
         result = engine.generate(ids, cfg)
         assert result.tokens == plain.tokens and result.stats.num_drafts > 0
@@ -276,37 +326,46 @@ def test_draft_model_and_eagle3_greedy_equal_plain(target, tokenizer, tiny_llama
 
 
 def test_engine_refuses_foreign_head_and_draft(target, tokenizer, tiny_llama, tmp_path):
-    from draftsmith.export.check import HeadMismatchError
-    from draftsmith.identity import target_identity
     from draftsmith.drafters.eagle3.export import export_eagle3
     from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+    from draftsmith.export.check import HeadMismatchError
+    from draftsmith.identity import target_identity
 
     other = tiny_llama(seed=2, vocab_size=V, hidden_size=64)
-    head_dir = export_eagle3(Eagle3Head(Eagle3Config.from_target(other.config)), tmp_path / "head",
-                             target_identity(other, tokenizer, "other"), other.config)
+    head_dir = export_eagle3(
+        Eagle3Head(Eagle3Config.from_target(other.config)),
+        tmp_path / "head",
+        target_identity(other, tokenizer, "other"),
+        other.config,
+    )
     with pytest.raises(HeadMismatchError, match="hidden_size"):
         Engine(target, tokenizer, {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3})
     draft_dir = tmp_path / "draft"
     tiny_llama(seed=1, vocab_size=V, num_hidden_layers=1).save_pretrained(draft_dir)
-    make_tokenizer(words=88).save_pretrained(draft_dir)                 # ids shifted by one
+    make_tokenizer(words=88).save_pretrained(draft_dir)  # ids shifted by one
     with pytest.raises(ValueError, match="tokenizer"):
         Engine(target, tokenizer, {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3})
 
 
 # --- speculative config -----------------------------------------------------------------------------------
 
+
 def test_speculative_config_keys(target, tokenizer):
     with pytest.raises(ValueError, match="unknown key.*'num_draft_tokens'"):
         Engine(target, tokenizer, '{"method": "ngram", "num_draft_tokens": 3}')
-    assert SpeculativeConfig.parse(json.dumps(NGRAM)) == SpeculativeConfig("ngram", None, 3, {"prompt_lookup_min": 1,
-                                                                                     "prompt_lookup_max": 3})
-    bad = [({"method": "medusa", "num_speculative_tokens": 2}, "not a drafter"),
-           ({"method": "ngram"}, "num_speculative_tokens"),
-           ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
-           ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "min"),
-           ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model'"),
-           ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "ngram"),
-           ("{not json", "JSON"), ("[1]", "object")]
+    assert SpeculativeConfig.parse(json.dumps(NGRAM)) == SpeculativeConfig(
+        "ngram", None, 3, {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    )
+    bad = [
+        ({"method": "medusa", "num_speculative_tokens": 2}, "not a drafter"),
+        ({"method": "ngram"}, "num_speculative_tokens"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2}, "min"),
+        ({"method": "eagle3", "num_speculative_tokens": 2}, "needs 'model'"),
+        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "ngram"),
+        ("{not json", "JSON"),
+        ("[1]", "object"),
+    ]
     for value, match in bad:
         with pytest.raises(ValueError, match=match):
             SpeculativeConfig.parse(value)
@@ -314,27 +373,35 @@ def test_speculative_config_keys(target, tokenizer):
 
 # --- malformed requests -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path,body,status,code", [
-    ("/v1/completions", {"model": "tiny", "max_tokens": 4}, 400, "invalid_request"),                 # no prompt
-    ("/v1/completions", {"prompt": "w5", "max_tokens": "four"}, 400, "invalid_request"),
-    ("/v1/completions", {"prompt": "w5", "max_tokens": 0}, 400, "invalid_request"),
-    ("/v1/completions", {"prompt": "w5", "temperature": "hot"}, 400, "invalid_request"),
-    ("/v1/completions", {"prompt": "w5", "top_p": 1.5}, 400, "invalid_request"),
-    ("/v1/completions", {"prompt": "w5", "model": "gpt-4"}, 404, "model_not_found"),
-    ("/v1/completions", {"prompt": "w5 " * 600, "max_tokens": 4}, 400, "context_length_exceeded"),
-    ("/v1/completions", {"prompt": "w5 " * 500, "max_tokens": 100}, 400, "context_length_exceeded"),
-    ("/v1/completions", {"prompt": [5, 6, 1000]}, 400, "invalid_prompt"),
-    ("/v1/completions", {"prompt": ""}, 400, "invalid_prompt"),
-    ("/v1/completions", {"prompt": "w5", "n": 2}, 400, "unsupported_parameter"),
-    ("/v1/completions", {"prompt": "w5", "logprobs": 3}, 400, "unsupported_parameter"),
-    ("/v1/completions", {"prompt": ["w5", "w6"]}, 400, "unsupported_parameter"),
-    ("/v1/chat/completions", {"model": "tiny"}, 400, "invalid_request"),                            # no messages
-    ("/v1/chat/completions", {"messages": [{"content": "w5"}]}, 400, "invalid_request"),            # no role
-    ("/v1/chat/completions", {"messages": "w5"}, 400, "invalid_request"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "w5"}], "stream": "yes"}, 400,
-     "invalid_request"),
-    ("/v1/nothing", {}, 404, "not_found"),
-])
+
+@pytest.mark.parametrize(
+    "path,body,status,code",
+    [
+        ("/v1/completions", {"model": "tiny", "max_tokens": 4}, 400, "invalid_request"),  # no prompt
+        ("/v1/completions", {"prompt": "w5", "max_tokens": "four"}, 400, "invalid_request"),
+        ("/v1/completions", {"prompt": "w5", "max_tokens": 0}, 400, "invalid_request"),
+        ("/v1/completions", {"prompt": "w5", "temperature": "hot"}, 400, "invalid_request"),
+        ("/v1/completions", {"prompt": "w5", "top_p": 1.5}, 400, "invalid_request"),
+        ("/v1/completions", {"prompt": "w5", "model": "gpt-4"}, 404, "model_not_found"),
+        ("/v1/completions", {"prompt": "w5 " * 600, "max_tokens": 4}, 400, "context_length_exceeded"),
+        ("/v1/completions", {"prompt": "w5 " * 500, "max_tokens": 100}, 400, "context_length_exceeded"),
+        ("/v1/completions", {"prompt": [5, 6, 1000]}, 400, "invalid_prompt"),
+        ("/v1/completions", {"prompt": ""}, 400, "invalid_prompt"),
+        ("/v1/completions", {"prompt": "w5", "n": 2}, 400, "unsupported_parameter"),
+        ("/v1/completions", {"prompt": "w5", "logprobs": 3}, 400, "unsupported_parameter"),
+        ("/v1/completions", {"prompt": ["w5", "w6"]}, 400, "unsupported_parameter"),
+        ("/v1/chat/completions", {"model": "tiny"}, 400, "invalid_request"),  # no messages
+        ("/v1/chat/completions", {"messages": [{"content": "w5"}]}, 400, "invalid_request"),  # no role
+        ("/v1/chat/completions", {"messages": "w5"}, 400, "invalid_request"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "w5"}], "stream": "yes"},
+            400,
+            "invalid_request",
+        ),
+        ("/v1/nothing", {}, 404, "not_found"),
+    ],
+)
 def test_malformed_requests_get_4xx(plain_client, path, body, status, code):
     r = plain_client.post(path, json=body)
     assert r.status_code == status, r.text
@@ -358,13 +425,14 @@ def test_engine_queues_and_cancels(target, tokenizer):
     cfg = GenerationConfig(max_new_tokens=10, temperature=0.8, seed=3)
     alone = engine.generate(ids, cfg).tokens
     results = [None] * 3
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(ids, cfg).tokens))
-               for i in range(3)]
+    threads = [
+        threading.Thread(target=lambda i=i: results.__setitem__(i, engine.generate(ids, cfg).tokens)) for i in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert results == [alone] * 3                     # one sequence at a time: no interference
+    assert results == [alone] * 3  # one sequence at a time: no interference
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(RequestCancelled):
@@ -379,14 +447,28 @@ def test_engine_check_prompt(target, tokenizer):
 
 # --- 32 concurrent clients on a real loopback server ------------------------------------------------------
 
+
 def _concurrent_bodies() -> list[tuple[str, dict]]:
     """32 different requests: completions and chat, greedy and seeded sampling, streamed or not, stop strings."""
-    prompts = [PROMPT, "w9 w9 w9 w9", "w1 w2 w3 w4 w1 w2", "w30 w31 w30 w31 w30", "w7", "w3 w4 w5 w3 w4 w5 w3 w4",
-               "w50 w51 w52 w53", "w11 w12 w11 w12 w11 w12"]
+    prompts = [
+        PROMPT,
+        "w9 w9 w9 w9",
+        "w1 w2 w3 w4 w1 w2",
+        "w30 w31 w30 w31 w30",
+        "w7",
+        "w3 w4 w5 w3 w4 w5 w3 w4",
+        "w50 w51 w52 w53",
+        "w11 w12 w11 w12 w11 w12",
+    ]
     bodies = []
     for i in range(32):
-        body = {"model": "tiny", "max_tokens": 4 + i % 13, "temperature": 0.0 if i % 3 else 0.9, "seed": i,
-                "stream": i % 4 == 1}
+        body = {
+            "model": "tiny",
+            "max_tokens": 4 + i % 13,
+            "temperature": 0.0 if i % 3 else 0.9,
+            "seed": i,
+            "stream": i % 4 == 1,
+        }
         if body["stream"]:
             body["stream_options"] = {"include_usage": True}
         if i % 8 == 5:
@@ -412,7 +494,7 @@ async def _send(client, path: str, body: dict) -> dict:
         async for line in r.aiter_lines():
             if not line or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if event.get("usage"):
                 usage = event["usage"]
             for choice in event["choices"]:
@@ -445,21 +527,23 @@ def test_32_concurrent_clients_match_serial_and_metrics_add_up(target, tokenizer
     async def main(url: str):
         limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
         async with httpx.AsyncClient(base_url=url, timeout=120.0, limits=limits) as client:
+
             async def metrics():
                 return _scrape_text((await client.get("/metrics")).text)
 
             alone, own = [], []
-            for path, body in bodies:                                   # one at a time: nothing else in flight
+            for path, body in bodies:  # one at a time: nothing else in flight
                 before = await metrics()
                 alone.append(await _send(client, path, body))
                 after = await metrics()
                 own.append({name: after[name] - before[name] for name in SPEC_COUNTERS})
             before = await metrics()
-            gate = asyncio.Semaphore(32)                                # bounded: at most 32 requests in flight
+            gate = asyncio.Semaphore(32)  # bounded: at most 32 requests in flight
 
             async def bounded(path, body):
                 async with gate:
                     return await _send(client, path, body)
+
             together = await asyncio.wait_for(asyncio.gather(*(bounded(p, b) for p, b in bodies)), timeout=600)
             after = await metrics()
             return alone, own, together, before, after
@@ -479,16 +563,20 @@ def test_32_concurrent_clients_match_serial_and_metrics_add_up(target, tokenizer
     for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
         assert delta[f"draftsmith:{histogram}_count"] == 32
     assert delta["draftsmith:time_per_output_token_seconds_count"] == sum(
-        r["usage"]["completion_tokens"] > 1 for r in together)
-    for name in SPEC_COUNTERS:                                          # each request's own counters, summed
+        r["usage"]["completion_tokens"] > 1 for r in together
+    )
+    for name in SPEC_COUNTERS:  # each request's own counters, summed
         assert delta[name] == sum(o[name] for o in own)
         assert delta[name] >= 0
     assert delta["draftsmith:spec_decode_num_drafts_total"] > 0
-    assert 0 < delta["draftsmith:spec_decode_num_accepted_tokens_total"] <= \
-        delta["draftsmith:spec_decode_num_draft_tokens_total"]
+    assert (
+        0
+        < delta["draftsmith:spec_decode_num_accepted_tokens_total"]
+        <= delta["draftsmith:spec_decode_num_draft_tokens_total"]
+    )
     per_pos = sum(v for k, v in delta.items() if k.startswith(PER_POS + "{"))
     assert per_pos == delta["draftsmith:spec_decode_num_accepted_tokens_total"]
-    assert {r["finish_reason"] for r in together} == {"stop", "length"}        # both kinds were served
+    assert {r["finish_reason"] for r in together} == {"stop", "length"}  # both kinds were served
     assert any(r["usage"]["completion_tokens"] > 1 for r in together)
 
 

@@ -1,4 +1,5 @@
 """Offline capture shards: round trip against online capture, resume after a kill, corruption refused."""
+
 import json
 
 import pytest
@@ -14,8 +15,6 @@ AUX = (0, 1, 2)
 MAX_LENGTH = 40
 
 
-
-
 @pytest.fixture(scope="module")
 def target(tiny_llama, chatml):
     return tiny_llama(seed=3, vocab_size=len(chatml))
@@ -28,19 +27,22 @@ def conversation(question: str, *answers: str) -> dict:
     return {"messages": messages[:-1] if answers else messages}
 
 
-CONVERSATIONS = [conversation("Hi", "Hello there"),
-                 conversation("Add", "def add(a, b):\n    return a + b", "Hello"),
-                 conversation("How are you?", "Hello there, how are you?"),
-                 conversation("x", "def add(a, b):\n    return a + b\n" * 4),       # longer than MAX_LENGTH
-                 conversation("Only a question"),                                   # nothing to supervise
-                 conversation("a", "b"),
-                 conversation("Hello", "there")]
+CONVERSATIONS = [
+    conversation("Hi", "Hello there"),
+    conversation("Add", "def add(a, b):\n    return a + b", "Hello"),
+    conversation("How are you?", "Hello there, how are you?"),
+    conversation("x", "def add(a, b):\n    return a + b\n" * 4),  # longer than MAX_LENGTH
+    conversation("Only a question"),  # nothing to supervise
+    conversation("a", "b"),
+    conversation("Hello", "there"),
+]
 SUPERVISED = [i for i in range(len(CONVERSATIONS)) if i != 4]
 
 
 def capture_into(target, tok, out, **overrides):
-    kwargs = dict(aux_layer_ids=AUX, max_length=MAX_LENGTH, shard_size=3, batch_size=1, target_name="tiny",
-                  progress=False)
+    kwargs = dict(
+        aux_layer_ids=AUX, max_length=MAX_LENGTH, shard_size=3, batch_size=1, target_name="tiny", progress=False
+    )
     return write_shards(target, tok, CONVERSATIONS, out, **{**kwargs, **overrides})
 
 
@@ -52,8 +54,8 @@ def test_round_trip_equals_online_capture(target, chatml, tmp_path):
         r = render(chatml, CONVERSATIONS[seq.conversation_index]["messages"], max_length=MAX_LENGTH)
         assert torch.equal(seq.input_ids, r.input_ids) and torch.equal(seq.loss_mask, r.loss_mask)
         online = capture(target, r.input_ids[None], AUX, attention_mask=torch.ones_like(r.input_ids)[None])
-        assert torch.equal(seq.aux_hidden, online.aux_hidden[0])                    # bit-identical
-        logits = ShardReader.target_logits(target.lm_head, seq.final_hidden)       # [T, V]
+        assert torch.equal(seq.aux_hidden, online.aux_hidden[0])  # bit-identical
+        logits = ShardReader.target_logits(target.lm_head, seq.final_hidden)  # [T, V]
         torch.testing.assert_close(logits, online.target_logits[0], atol=1e-5, rtol=0)
         seen.append(seq.conversation_index)
     assert sorted(seen) == SUPERVISED and len(reader) == manifest["num_sequences"] == len(SUPERVISED)
@@ -79,8 +81,9 @@ def test_padded_batches_match_single_sequences(target, chatml, tmp_path):
     for seq in ShardReader(tmp_path / "cap"):
         online = capture(target, seq.input_ids[None], AUX)
         torch.testing.assert_close(seq.aux_hidden, online.aux_hidden[0], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ShardReader.target_logits(target.lm_head, seq.final_hidden),
-                                   online.target_logits[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            ShardReader.target_logits(target.lm_head, seq.final_hidden), online.target_logits[0], atol=1e-5, rtol=1e-5
+        )
 
 
 def test_resume_after_kill_writes_only_the_remaining_shards(target, chatml, tmp_path, monkeypatch):
@@ -88,7 +91,7 @@ def test_resume_after_kill_writes_only_the_remaining_shards(target, chatml, tmp_
 
     def killed_after_first(*args, index, out, **kwargs):
         if index > 0:
-            (out / f"{shard_name(index)}.tmp").write_bytes(b"half a shard")     # what a kill leaves behind
+            (out / f"{shard_name(index)}.tmp").write_bytes(b"half a shard")  # what a kill leaves behind
             raise KeyboardInterrupt("simulated kill")
         return real(*args, index=index, out=out, **kwargs)
 
@@ -116,7 +119,7 @@ def test_resume_after_kill_writes_only_the_remaining_shards(target, chatml, tmp_
     fresh = capture_into(target, chatml, tmp_path / "fresh")
     assert [e["sha256"] for e in manifest["shards"]] == [e["sha256"] for e in fresh["shards"]]
     written.clear()
-    assert capture_into(target, chatml, cap) == manifest and written == []     # complete: nothing to do
+    assert capture_into(target, chatml, cap) == manifest and written == []  # complete: nothing to do
 
 
 def test_corrupted_shard_is_refused_by_name_and_recaptured(target, chatml, tmp_path, monkeypatch):
@@ -127,7 +130,7 @@ def test_corrupted_shard_is_refused_by_name_and_recaptured(target, chatml, tmp_p
     data[-5] ^= 0xFF
     path.write_bytes(bytes(data))
     reader = ShardReader(cap)
-    assert reader[0].conversation_index in SUPERVISED            # shard 0 is fine
+    assert reader[0].conversation_index in SUPERVISED  # shard 0 is fine
     with pytest.raises(ShardError, match="shard-00001.safetensors"):
         list(reader)
     assert len(list(ShardReader(cap, verify=False))) == len(SUPERVISED)
@@ -150,7 +153,7 @@ def test_capture_dtype_is_the_targets_recorded_and_checked(target, chatml, tiny_
     assert seq.aux_hidden.dtype == seq.final_hidden.dtype == torch.bfloat16
     assert torch.equal(seq.aux_hidden, online.aux_hidden[0])
     reader.check_target(bf16, chatml)
-    with pytest.raises(ShardError, match="runs in float32"):        # same weights, served in another dtype
+    with pytest.raises(ShardError, match="runs in float32"):  # same weights, served in another dtype
         reader.check_target(target, chatml)
     # states of an fp32 forward rounded to bf16 are not what a bf16 runtime computes: refused, not converted
     with pytest.raises(ShardError, match="capture dtype bfloat16 differs from the target's float32"):
@@ -165,7 +168,7 @@ def test_other_inputs_in_the_same_folder_are_refused(target, chatml, tmp_path):
 
 
 def test_target_whose_logits_are_not_lm_head_of_the_final_state_is_refused(target, chatml, tmp_path):
-    class LogitScaled(torch.nn.Module):     # like Cohere's logit_scale
+    class LogitScaled(torch.nn.Module):  # like Cohere's logit_scale
         def __init__(self, inner):
             super().__init__()
             self.inner, self.config = inner, inner.config
@@ -193,8 +196,12 @@ def test_check_target(target, chatml, tiny_llama, tmp_path):
 def test_streamed_safetensors_read_back(tmp_path):
     from safetensors.torch import load_file
 
-    tensors = {"a": torch.randn(3, 5).bfloat16(), "b": torch.tensor([True, False]), "c": torch.zeros(0, 4),
-               "d": torch.arange(7)}
+    tensors = {
+        "a": torch.randn(3, 5).bfloat16(),
+        "b": torch.tensor([True, False]),
+        "c": torch.zeros(0, 4),
+        "d": torch.arange(7),
+    }
     layout = [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
     with SafetensorsStream(tmp_path / "x.safetensors", layout, {"note": "test"}) as stream:
         for k, v in tensors.items():
@@ -251,13 +258,18 @@ def test_sigkill_mid_capture_then_rerun_gives_the_same_manifest_and_shards(targe
     chatml.save_pretrained(folder)
     (folder / "conversations.jsonl").write_text("".join(json.dumps(c) + "\n" for c in CONVERSATIONS))
     model, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
-    kwargs = dict(aux_layer_ids=(0, 1, 2), max_length=40, shard_size=2, batch_size=1, target_name="tiny",
-                  progress=False)
+    kwargs = dict(
+        aux_layer_ids=(0, 1, 2), max_length=40, shard_size=2, batch_size=1, target_name="tiny", progress=False
+    )
     cap = tmp_path / "cap"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    child = subprocess.Popen([sys.executable, "-c", KILLED_CAPTURE, str(folder), str(cap)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 600                  # a guard against hanging, not a timing assertion
+    child = subprocess.Popen(
+        [sys.executable, "-c", KILLED_CAPTURE, str(folder), str(cap)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 600  # a guard against hanging, not a timing assertion
     try:
         while time.monotonic() < deadline and child.poll() is None:
             try:
@@ -277,16 +289,17 @@ def test_sigkill_mid_capture_then_rerun_gives_the_same_manifest_and_shards(targe
     assert child.returncode == -signal.SIGKILL
     partial = json.loads((cap / "manifest.json").read_text())
     assert not partial["complete"] and [e["index"] for e in partial["shards"]] == [0]
-    assert (cap / f"{shard_name(1)}.tmp").exists()                               # the shard it was writing
+    assert (cap / f"{shard_name(1)}.tmp").exists()  # the shard it was writing
     first = (cap / shard_name(0)).stat().st_mtime_ns
 
     # rerun and reference capture in fresh processes like the killed one: other tests of this session
     # may change process-wide math settings, so in-process states could differ in the last bit
     plain = KILLED_CAPTURE.replace("shards.capture_final = slow", "")
     for out in (cap, tmp_path / "fresh"):
-        subprocess.run([sys.executable, "-c", plain, str(folder), str(out)], env=env, check=True,
-                       stdout=subprocess.DEVNULL)
-    resumed = write_shards(model, tok, CONVERSATIONS, cap, **kwargs)            # finished: only verified
+        subprocess.run(
+            [sys.executable, "-c", plain, str(folder), str(out)], env=env, check=True, stdout=subprocess.DEVNULL
+        )
+    resumed = write_shards(model, tok, CONVERSATIONS, cap, **kwargs)  # finished: only verified
     fresh = json.loads((tmp_path / "fresh" / "manifest.json").read_text())
     assert resumed == fresh and resumed["complete"]
     assert (cap / shard_name(0)).stat().st_mtime_ns == first and not list(cap.glob("*.tmp"))
@@ -306,10 +319,10 @@ def test_nan_states_are_refused_on_write_and_on_read(chatml, tiny_llama, tmp_pat
     cap = tmp_path / "cap"
     manifest = capture_into(broken, chatml, cap)
     path = cap / manifest["shards"][0]["file"]
-    data = bytearray(path.read_bytes())                  # the first stored float of aux_hidden -> NaN
+    data = bytearray(path.read_bytes())  # the first stored float of aux_hidden -> NaN
     header_len = int.from_bytes(data[:8], "little")
-    start = 8 + header_len + json.loads(data[8:8 + header_len])["0.aux_hidden"]["data_offsets"][0]
-    data[start:start + 4] = torch.tensor([float("nan")]).numpy().tobytes()
+    start = 8 + header_len + json.loads(data[8 : 8 + header_len])["0.aux_hidden"]["data_offsets"][0]
+    data[start : start + 4] = torch.tensor([float("nan")]).numpy().tobytes()
     path.write_bytes(bytes(data))
     with pytest.raises(ShardError, match="sha256"):
         ShardReader(cap)[0]

@@ -10,6 +10,7 @@ Checked on the reference tokenizer (byte-level BPE: 'é' is 2 bytes, '→' and '
     definition says;
   * the server: streamed text concatenates to the non-streamed text, for every stop string.
 """
+
 from __future__ import annotations
 
 import json
@@ -20,17 +21,33 @@ import torch
 from transformers import LlamaForCausalLM
 
 from draftsmith import reference
-from draftsmith.serve.engine import Engine
-from draftsmith.core.stops import TextStream, StopStringFound as StopStringFound
 from draftsmith.core.generate import GenerationConfig
 from draftsmith.core.proposer import Proposal, Proposer
+from draftsmith.core.stops import StopStringFound as StopStringFound
+from draftsmith.core.stops import TextStream
+from draftsmith.serve.engine import Engine
 
 SCRIPT = "s = 'café' → 日本。\nprint('😀 naïve')  # → 😀。\n"
 PROMPT = "# copy the two lines below\n" + SCRIPT
-STOPS = [["😀"], ["。"], ["é"], ["→"], ["ï"], ["日本"], ["本"], ["é'"], ["'😀 na"], ["→ 😀"], ["print"], ["\n"],
-         ["naïve", "。"], ["😀。", "# →"], ["never there"]]
+STOPS = [
+    ["😀"],
+    ["。"],
+    ["é"],
+    ["→"],
+    ["ï"],
+    ["日本"],
+    ["本"],
+    ["é'"],
+    ["'😀 na"],
+    ["→ 😀"],
+    ["print"],
+    ["\n"],
+    ["naïve", "。"],
+    ["😀。", "# →"],
+    ["never there"],
+]
 ENGINE_STOPS = [["😀"], ["。"], ["é"], ["→"], ["'😀 na"], ["naïve", "。"], ["never there"]]
-SLOW_DRAFTER_STOPS = [["→"], ["'😀 na"]]      # draft model, EAGLE-3: a forward per drafted token, few accepted
+SLOW_DRAFTER_STOPS = [["→"], ["'😀 na"]]  # draft model, EAGLE-3: a forward per drafted token, few accepted
 CHUNKINGS = [(1,), (2,), (3, 1), (4,), (1, 5, 2), (6,), (2, 7, 1, 3)]
 ENGINE_CHUNKINGS = [(3, 1), (1, 5, 2), (6,)]
 
@@ -60,7 +77,7 @@ def expected_stop(tokenizer, tokens: list[int], stops: list[str]) -> tuple[list[
         text = tokenizer.decode(tokens[:n], skip_special_tokens=True).rstrip("\ufffd")
         hits = [text.find(s) for s in stops if s in text]
         if hits:
-            return tokens[:n], text[:min(hits)], True
+            return tokens[:n], text[: min(hits)], True
     return tokens, tokenizer.decode(tokens, skip_special_tokens=True), False
 
 
@@ -68,7 +85,7 @@ def chunks(tokens: list[int], sizes) -> list[list[int]]:
     out, i, step = [], 0, 0
     while i < len(tokens):
         n = sizes[step % len(sizes)]
-        out.append(tokens[i:i + n])
+        out.append(tokens[i : i + n])
         i, step = i + n, step + 1
     return out
 
@@ -97,7 +114,7 @@ def test_stops_in_every_script_are_found_at_the_same_token_whatever_the_chunking
                 stream, raised, sent = stream_through(tokenizer, chunks(ids, sizes), stops)
                 where = f"stop {stops} chunks {sizes}"
                 assert (stream.tokens, stream.text, raised) == (want_tokens, want_text, stopped), where
-                assert "".join(sent) == want_text, where       # streamed = final text, nothing past the stop
+                assert "".join(sent) == want_text, where  # streamed = final text, nothing past the stop
 
 
 def test_streamed_deltas_are_final_and_hold_back_stop_prefixes(tokenizer, script_ids):
@@ -129,12 +146,21 @@ def sentencepiece_style_tokenizer():
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{i:02X}>": 3 + i for i in range(256)}
     pieces = ["▁", "▁h", "▁he", "▁hel", "▁hell", "▁hello", "▁w", "▁wo", "▁wor", *"abcdefghijklmnopqrstuvwxyz"]
     vocab |= {p: len(vocab) + i for i, p in enumerate(pieces)}
-    merges = [("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"), ("▁hell", "o"), ("▁", "w"), ("▁w", "o"),
-              ("▁wo", "r")]
+    merges = [
+        ("▁", "h"),
+        ("▁h", "e"),
+        ("▁he", "l"),
+        ("▁hel", "l"),
+        ("▁hell", "o"),
+        ("▁", "w"),
+        ("▁w", "o"),
+        ("▁wo", "r"),
+    ]
     backend = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>"))
     backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                         decoders.Strip(" ", 1, 0)])
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
@@ -147,15 +173,19 @@ def test_a_tokenizer_that_strips_the_leading_space_stops_at_the_same_token():
         for sizes in CHUNKINGS:
             stream, raised, sent = stream_through(tokenizer, chunks(ids, sizes), stops)
             where = f"stop {stops} chunks {sizes}"
-            assert (stream.tokens, stream.text, raised, "".join(sent)) == (want_tokens, want_text, stopped,
-                                                                            want_text), where
+            assert (stream.tokens, stream.text, raised, "".join(sent)) == (
+                want_tokens,
+                want_text,
+                stopped,
+                want_text,
+            ), where
 
 
 def test_text_is_the_whole_decode_with_special_tokens_between_words(word_tokenizer):
     """A skipped special token between two words keeps the space the whole decode puts there (a decode window
     starting at the special token would lose it)."""
     tokenizer = word_tokenizer(96)
-    ids = [5, 2, 6, 7, 2, 2, 8]                                  # w2 is <unk>, special
+    ids = [5, 2, 6, 7, 2, 2, 8]  # w2 is <unk>, special
     for sizes in CHUNKINGS:
         stream, raised, sent = stream_through(tokenizer, chunks(ids, sizes), ["w8"])
         assert stream.text == "".join(sent) == "w5 w6 w7 " and raised
@@ -192,7 +222,7 @@ class ScriptedChunks(Proposer):
     def propose(self, k: int) -> Proposal:
         n = min(k, self.sizes[self.step % len(self.sizes)])
         self.step += 1
-        return Proposal(torch.tensor(self.script[self.done:self.done + n], dtype=torch.long))
+        return Proposal(torch.tensor(self.script[self.done : self.done + n], dtype=torch.long))
 
     def accept(self, n_accepted, emitted, target_step) -> None:
         self.done += emitted.numel()
@@ -210,23 +240,26 @@ class ScriptedEngine(Engine):
 @pytest.fixture(scope="module")
 def scripted(tokenizer, script_ids, tmp_path_factory):
     """(target, prompt ids, engines by name): plain, ngram, draft_model, eagle3, scripted chunkings."""
-    from draftsmith.identity import target_identity
     from draftsmith.drafters.eagle3.export import export_eagle3
     from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
+    from draftsmith.identity import target_identity
 
     target = ScriptedTarget.from_pretrained(reference.TARGET_DIR, dtype=torch.float32).eval()
     prompt = tokenizer(PROMPT).input_ids
     target.prompt_len, target.script = len(prompt), tuple(script_ids)
     torch.manual_seed(0)
     head = Eagle3Head(Eagle3Config.from_target(target.config, ttt_steps=4))
-    head_dir = export_eagle3(head, tmp_path_factory.mktemp("stop") / "head",
-                             target_identity(target, tokenizer, "reference"), target.config)
-    engines = {"plain": Engine(target, tokenizer),
-               "ngram": Engine(target, tokenizer, {"method": "ngram", "num_speculative_tokens": 5}),
-               "draft_model": Engine(target, tokenizer, {"method": "draft_model", "model": "reference-draft",
-                                                         "num_speculative_tokens": 3}),
-               "eagle3": Engine(target, tokenizer, {"method": "eagle3", "model": str(head_dir),
-                                                    "num_speculative_tokens": 3})}
+    head_dir = export_eagle3(
+        head, tmp_path_factory.mktemp("stop") / "head", target_identity(target, tokenizer, "reference"), target.config
+    )
+    engines = {
+        "plain": Engine(target, tokenizer),
+        "ngram": Engine(target, tokenizer, {"method": "ngram", "num_speculative_tokens": 5}),
+        "draft_model": Engine(
+            target, tokenizer, {"method": "draft_model", "model": "reference-draft", "num_speculative_tokens": 3}
+        ),
+        "eagle3": Engine(target, tokenizer, {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}),
+    }
     for sizes in ENGINE_CHUNKINGS:
         engine = ScriptedEngine(target, tokenizer, {"method": "ngram", "num_speculative_tokens": 8})
         engine.sizes = sizes
@@ -237,7 +270,7 @@ def scripted(tokenizer, script_ids, tmp_path_factory):
 def test_every_method_stops_at_the_canonical_token(tokenizer, script_ids, scripted):
     target, prompt, engines = scripted
     cfg = GenerationConfig(max_new_tokens=len(script_ids))
-    assert engines["plain"].generate(prompt, cfg).tokens == script_ids          # the script is what it decodes
+    assert engines["plain"].generate(prompt, cfg).tokens == script_ids  # the script is what it decodes
     accepted = {}
     for stops in ENGINE_STOPS:
         want_tokens, want_text, stopped = expected_stop(tokenizer, script_ids, stops)
@@ -250,7 +283,7 @@ def test_every_method_stops_at_the_canonical_token(tokenizer, script_ids, script
             assert result.finish_reason == ("stop" if stopped else "length"), where
             if result.stats is not None:
                 accepted[name] = accepted.get(name, 0) + result.stats.num_accepted_tokens
-    assert accepted["ngram"] > 0 and accepted["chunks(6,)"] > 0          # chunks of several tokens were checked
+    assert accepted["ngram"] > 0 and accepted["chunks(6,)"] > 0  # chunks of several tokens were checked
 
 
 def test_server_streams_the_text_it_returns_for_every_stop(tokenizer, script_ids, scripted):

@@ -7,6 +7,7 @@ R1-style generation prompt that opens the think block. Each expected supervised 
 the decoded supervised tokens must equal it exactly, so a token of a system/user/tool turn, a header or
 a reasoning block that slipped into the mask fails the test.
 """
+
 import json
 import logging
 
@@ -14,8 +15,13 @@ import pytest
 from jinja2 import TemplateError
 
 from draftsmith.data_pipeline.chat import ChatTemplateError, render, supervised_spans
-from draftsmith.data_pipeline.dataset import (DatasetError, load_conversations, normalise, read_conversations,
-                                              render_dataset)
+from draftsmith.data_pipeline.dataset import (
+    DatasetError,
+    load_conversations,
+    normalise,
+    read_conversations,
+    render_dataset,
+)
 
 # Llama-3.1 header style: a system block always (knowledge-date preamble), contents trimmed, tool -> ipython.
 LLAMA3 = r"""{{- bos_token }}
@@ -119,9 +125,13 @@ R1 = r"""{{- bos_token }}
 {%- endfor %}
 {%- if add_generation_prompt %}{{- '<|Assistant|><think>\n' }}{%- endif %}"""
 
-FAMILIES = {   # name: (template, special tokens, bos, eos)
-    "llama3": (LLAMA3, ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
-               "<|begin_of_text|>", "<|eot_id|>"),
+FAMILIES = {  # name: (template, special tokens, bos, eos)
+    "llama3": (
+        LLAMA3,
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+    ),
     "qwen3": (QWEN3, ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>"),
     "mistral": (MISTRAL, ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
     "mistral_system_last": (MISTRAL_SYSTEM_LAST, ["<s>", "</s>", "[INST]", "[/INST]"], "<s>", "</s>"),
@@ -135,10 +145,12 @@ PARIS = "The capital of France is Paris."
 ASK_ITALY = {"role": "user", "content": "And of Italy?"}
 ROME = "Rome is the capital of Italy."
 # assistant, tool result, assistant: an agentic turn in the middle
-TOOL_TURNS = [{"role": "user", "content": "Is it sunny in Paris?"},
-              {"role": "assistant", "content": "Let me check the forecast."},
-              {"role": "tool", "content": "sunny, 24 C"},
-              {"role": "assistant", "content": "Yes, sunny and 24 C."}]
+TOOL_TURNS = [
+    {"role": "user", "content": "Is it sunny in Paris?"},
+    {"role": "assistant", "content": "Let me check the forecast."},
+    {"role": "tool", "content": "sunny, 24 C"},
+    {"role": "assistant", "content": "Yes, sunny and 24 C."},
+]
 
 
 def think(reasoning: str, answer: str) -> str:
@@ -155,8 +167,12 @@ def tokenizers():
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=specials, show_progress=False,
-                                      initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        trainer = trainers.BpeTrainer(
+            vocab_size=320,
+            special_tokens=specials,
+            show_progress=False,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        )
         tok.train_from_iterator([PARIS, ROME, "What is the capital of France? And of Italy?"] * 10, trainer)
         tok.add_tokens([AddedToken("<think>", special=False), AddedToken("</think>", special=False)])
         fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos)
@@ -176,20 +192,24 @@ def test_llama3_headers(tokenizers):
     messages = [SYSTEM, ASK_FRANCE, {"role": "assistant", "content": f"  {PARIS}\n"}, *TOOL_TURNS]
     got, text = supervised(tok, messages)
     assert got == f"{PARIS}<|eot_id|>Let me check the forecast.<|eot_id|>Yes, sunny and 24 C.<|eot_id|>"
-    assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
-                    "2023\nToday Date: 26 Jul 2024\n\nYou are a concise geography tutor.<|eot_id|>"
-                    "<|start_header_id|>user<|end_header_id|>\n\nWhat is the capital of France?<|eot_id|>"
-                    f"<|start_header_id|>assistant<|end_header_id|>\n\n{PARIS}<|eot_id|>"
-                    "<|start_header_id|>user<|end_header_id|>\n\nIs it sunny in Paris?<|eot_id|>"
-                    "<|start_header_id|>assistant<|end_header_id|>\n\nLet me check the forecast.<|eot_id|>"
-                    "<|start_header_id|>ipython<|end_header_id|>\n\nsunny, 24 C<|eot_id|>"
-                    "<|start_header_id|>assistant<|end_header_id|>\n\nYes, sunny and 24 C.<|eot_id|>")
+    assert text == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: December "
+        "2023\nToday Date: 26 Jul 2024\n\nYou are a concise geography tutor.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is the capital of France?<|eot_id|>"
+        f"<|start_header_id|>assistant<|end_header_id|>\n\n{PARIS}<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nIs it sunny in Paris?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nLet me check the forecast.<|eot_id|>"
+        "<|start_header_id|>ipython<|end_header_id|>\n\nsunny, 24 C<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nYes, sunny and 24 C.<|eot_id|>"
+    )
 
 
-QWEN3_BEFORE_LAST = ("<|im_start|>system\nYou are a concise geography tutor.<|im_end|>\n"
-                     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
-                     f"<|im_start|>assistant\n{PARIS}<|im_end|>\n"          # history: think block dropped
-                     "<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n")
+QWEN3_BEFORE_LAST = (
+    "<|im_start|>system\nYou are a concise geography tutor.<|im_end|>\n"
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n"
+    f"<|im_start|>assistant\n{PARIS}<|im_end|>\n"  # history: think block dropped
+    "<|im_start|>user\nAnd of Italy?<|im_end|>\n<|im_start|>assistant\n"
+)
 
 
 @pytest.mark.parametrize("enable_thinking", [True, False])
@@ -203,8 +223,13 @@ def test_qwen3_thinking(tokenizers, enable_thinking, reasoning):
         last_block = "<think>\nItaly: Rome.\n</think>\n\n"
     else:
         answers, last_block = [PARIS, ROME], "<think>\n\n</think>\n\n"
-    messages = [SYSTEM, ASK_FRANCE, {"role": "assistant", "content": answers[0]}, ASK_ITALY,
-                {"role": "assistant", "content": answers[1]}]
+    messages = [
+        SYSTEM,
+        ASK_FRANCE,
+        {"role": "assistant", "content": answers[0]},
+        ASK_ITALY,
+        {"role": "assistant", "content": answers[1]},
+    ]
     got, text = supervised(tok, messages, enable_thinking=enable_thinking)
     assert got == f"{PARIS}<|im_end|>{ROME}<|im_end|>"
     assert text == QWEN3_BEFORE_LAST + last_block + f"{ROME}<|im_end|>\n"
@@ -216,10 +241,12 @@ def test_qwen3_tool_turns_keep_reasoning_after_the_last_query(tokenizers):
     """After the last user query, an assistant turn with reasoning keeps its block in the final text
     (and a later user turn drops it again): the mask follows both."""
     tok = tokenizers["qwen3"]
-    agentic = [{"role": "user", "content": "Is it sunny in Paris?"},
-               {"role": "assistant", "content": think("I need the forecast.", "Let me check the forecast.")},
-               {"role": "tool", "content": "sunny, 24 C"},
-               {"role": "assistant", "content": think("It says sunny.", "Yes, sunny and 24 C.")}]
+    agentic = [
+        {"role": "user", "content": "Is it sunny in Paris?"},
+        {"role": "assistant", "content": think("I need the forecast.", "Let me check the forecast.")},
+        {"role": "tool", "content": "sunny, 24 C"},
+        {"role": "assistant", "content": think("It says sunny.", "Yes, sunny and 24 C.")},
+    ]
     expected = "Let me check the forecast.<|im_end|>Yes, sunny and 24 C.<|im_end|>"
     got, text = supervised(tok, [SYSTEM, *agentic])
     assert got == expected and "<think>\nI need the forecast.\n</think>" in text
@@ -230,12 +257,19 @@ def test_qwen3_tool_turns_keep_reasoning_after_the_last_query(tokenizers):
 
 def test_mistral_inst(tokenizers):
     tok = tokenizers["mistral"]
-    messages = [SYSTEM, ASK_FRANCE, {"role": "assistant", "content": PARIS}, ASK_ITALY,
-                {"role": "assistant", "content": ROME}]
+    messages = [
+        SYSTEM,
+        ASK_FRANCE,
+        {"role": "assistant", "content": PARIS},
+        ASK_ITALY,
+        {"role": "assistant", "content": ROME},
+    ]
     got, text = supervised(tok, messages)
-    assert got == f" {PARIS}</s> {ROME}</s>"       # the model writes the space after [/INST]
-    assert text == (f"<s>[INST] You are a concise geography tutor.\n\nWhat is the capital of France?[/INST] {PARIS}</s>"
-                    f"[INST] And of Italy?[/INST] {ROME}</s>")
+    assert got == f" {PARIS}</s> {ROME}</s>"  # the model writes the space after [/INST]
+    assert text == (
+        f"<s>[INST] You are a concise geography tutor.\n\nWhat is the capital of France?[/INST] {PARIS}</s>"
+        f"[INST] And of Italy?[/INST] {ROME}</s>"
+    )
 
 
 def test_mistral_moving_system_prompt_is_refused(tokenizers):
@@ -245,7 +279,7 @@ def test_mistral_moving_system_prompt_is_refused(tokenizers):
     messages = [SYSTEM, ASK_FRANCE, {"role": "assistant", "content": PARIS}]
     with pytest.raises(ChatTemplateError, match="changes the text of earlier turns"):
         render(tok, messages)
-    got, _ = supervised(tok, messages[1:])            # without a system prompt it is prefix-stable
+    got, _ = supervised(tok, messages[1:])  # without a system prompt it is prefix-stable
     assert got == f" {PARIS}</s>"
 
 
@@ -261,8 +295,13 @@ def test_plain_chatml_with_default_system(tokenizers):
 def test_generation_prompt_that_opens_the_think_block(tokenizers):
     """R1 style: the prompt ends in "<think>\\n", so what the model writes starts inside the block."""
     tok = tokenizers["r1"]
-    messages = [SYSTEM, ASK_FRANCE, {"role": "assistant", "content": think("France: Paris.", PARIS)}, ASK_ITALY,
-                {"role": "assistant", "content": think("Italy: Rome.", ROME)}]
+    messages = [
+        SYSTEM,
+        ASK_FRANCE,
+        {"role": "assistant", "content": think("France: Paris.", PARIS)},
+        ASK_ITALY,
+        {"role": "assistant", "content": think("Italy: Rome.", ROME)},
+    ]
     got, text = supervised(tok, messages)
     assert got == f"{PARIS}</s>{ROME}</s>"
     assert text.endswith(f"<|Assistant|>{think('Italy: Rome.', ROME)}</s>") and "France: Paris." not in text
@@ -279,13 +318,16 @@ def test_unfinished_reasoning_is_never_supervised(tokenizers):
 GOOD = {"messages": [SYSTEM, ASK_FRANCE, {"role": "assistant", "content": PARIS}, *TOOL_TURNS]}
 
 
-@pytest.mark.parametrize("roles, problem", [
-    (["user", "user", "assistant"], "turn 1: role 'user' cannot follow a 'user' turn"),
-    (["assistant", "user"], "turn 0: role 'assistant' cannot come first"),
-    (["user", "assistant", "assistant"], "turn 2: role 'assistant' cannot follow a 'assistant' turn"),
-    (["user", "system", "assistant"], "turn 1: role 'system' cannot follow a 'user' turn"),
-    (["user", "tool", "assistant"], "turn 1: role 'tool' cannot follow a 'user' turn"),
-])
+@pytest.mark.parametrize(
+    "roles, problem",
+    [
+        (["user", "user", "assistant"], "turn 1: role 'user' cannot follow a 'user' turn"),
+        (["assistant", "user"], "turn 0: role 'assistant' cannot come first"),
+        (["user", "assistant", "assistant"], "turn 2: role 'assistant' cannot follow a 'assistant' turn"),
+        (["user", "system", "assistant"], "turn 1: role 'system' cannot follow a 'user' turn"),
+        (["user", "tool", "assistant"], "turn 1: role 'tool' cannot follow a 'user' turn"),
+    ],
+)
 def test_non_alternating_turns_are_malformed(roles, problem):
     record = {"messages": [{"role": r, "content": f"text {i}"} for i, r in enumerate(roles)]}
     with pytest.raises(DatasetError, match=f"record 7, {problem}"):
@@ -295,12 +337,14 @@ def test_non_alternating_turns_are_malformed(roles, problem):
 
 @pytest.fixture()
 def mixed_jsonl(tmp_path):
-    lines = [json.dumps(GOOD),
-             json.dumps({"messages": [ASK_FRANCE, ASK_ITALY, {"role": "assistant", "content": ROME}]}),
-             json.dumps({"messages": [{"role": "assistant", "content": PARIS}, ASK_FRANCE]}),
-             "{not json",
-             json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
-             json.dumps({"text": "no conversation here"})]
+    lines = [
+        json.dumps(GOOD),
+        json.dumps({"messages": [ASK_FRANCE, ASK_ITALY, {"role": "assistant", "content": ROME}]}),
+        json.dumps({"messages": [{"role": "assistant", "content": PARIS}, ASK_FRANCE]}),
+        "{not json",
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}),
+        json.dumps({"text": "no conversation here"}),
+    ]
     path = tmp_path / "data.jsonl"
     path.write_text("\n".join(lines) + "\n")
     return path
@@ -326,7 +370,7 @@ def test_on_error_skip_counts_and_logs(mixed_jsonl, caplog):
 def test_render_dataset_skips_what_the_template_refuses(tokenizers, caplog):
     tok = tokenizers["mistral"]
     good = {"messages": [ASK_FRANCE, {"role": "assistant", "content": PARIS}]}
-    bad = {"messages": [ASK_FRANCE, ASK_ITALY, {"role": "assistant", "content": ROME}]}   # not normalised
+    bad = {"messages": [ASK_FRANCE, ASK_ITALY, {"role": "assistant", "content": ROME}]}  # not normalised
     with pytest.raises(TemplateError, match="must alternate"):
         render_dataset(tok, [good, bad], 64)
     with caplog.at_level(logging.WARNING, logger="draftsmith.data_pipeline.dataset"):
@@ -337,8 +381,11 @@ def test_render_dataset_skips_what_the_template_refuses(tokenizers, caplog):
 
 @pytest.fixture()
 def good_records():
-    return [GOOD, {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
-            {"messages": [ASK_FRANCE, {"role": "assistant", "content": PARIS}]}]
+    return [
+        GOOD,
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]},
+        {"messages": [ASK_FRANCE, {"role": "assistant", "content": PARIS}]},
+    ]
 
 
 def test_parquet_and_load_dataset_folders_normalise_alike(good_records, tmp_path, monkeypatch):
@@ -365,12 +412,18 @@ def test_parquet_and_load_dataset_folders_normalise_alike(good_records, tmp_path
 
 def test_prepare_skips_and_counts_malformed_records(mixed_jsonl, tmp_path):
     from draftsmith import reference
-    from draftsmith.data_pipeline.prepare import prepare
     from draftsmith.data_pipeline.config import DataConfig
+    from draftsmith.data_pipeline.prepare import prepare
 
     target, tok = reference.target()
-    cfg = DataConfig(source=str(mixed_jsonl), num_conversations=None, heldout_conversations=0, regenerate=False,
-                     max_length=64, draft_vocab_size=None)
+    cfg = DataConfig(
+        source=str(mixed_jsonl),
+        num_conversations=None,
+        heldout_conversations=0,
+        regenerate=False,
+        max_length=64,
+        draft_vocab_size=None,
+    )
     with pytest.raises(DatasetError, match="record 1"):
         prepare(cfg, target, tok, "reference", tmp_path / "raise")
     cfg.on_error = "skip"

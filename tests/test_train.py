@@ -2,6 +2,7 @@
 vocab map), offline shards give the online loss, padding changes nothing, the micro-batch schedule does
 not depend on the world size, launches that are not what the recipe asks for are refused, in-loop τ
 is `draftsmith eval`'s τ, trackers. Multi-process runs: tests/test_train_distributed.py."""
+
 import json
 import random
 
@@ -9,12 +10,12 @@ import pytest
 import torch
 
 import draftsmith.train.trainer as trainer
+from conftest import train_eagle3
 from draftsmith.data_pipeline.dataset import RenderedDataset
 from draftsmith.data_pipeline.vocab import build_vocab_map, count_tokens
-from draftsmith.train.checkpoint import checkpoint_vocab_map
 from draftsmith.drafters.eagle3.config import Section as HeadConfig
+from draftsmith.train.checkpoint import checkpoint_vocab_map
 from draftsmith.train.config import TrainConfig
-from conftest import train_eagle3
 
 
 def make_data(n=12, t=20, vocab=96, seed=0):
@@ -69,8 +70,9 @@ def test_resume_keeps_the_saved_vocab_map(tiny_llama, tmp_path, monkeypatch):
     full = run(target, data, tmp_path / "a", max_steps=4)
     saved = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 64, always_include=[1])
     other_data = make_data(seed=5)
-    other = build_vocab_map(count_tokens(other_data.input_ids, other_data.loss_mask, 96) ** 2 + torch.arange(96),
-                            64, always_include=[1])
+    other = build_vocab_map(
+        count_tokens(other_data.input_ids, other_data.loss_mask, 96) ** 2 + torch.arange(96), 64, always_include=[1]
+    )
     assert other.sha256() != saved.sha256()
     real_commit = trainer.commit_checkpoint
 
@@ -83,8 +85,9 @@ def test_resume_keeps_the_saved_vocab_map(tiny_llama, tmp_path, monkeypatch):
         run(target, data, tmp_path / "b", max_steps=4, ckpt_every=2)
     monkeypatch.setattr(trainer, "commit_checkpoint", real_commit)
     cfg = TrainConfig(mixed_precision="no", epochs=2, batch_size=4, lr=3e-3, warmup_steps=2, log_every=1, max_steps=4)
-    resumed = train_eagle3(target, data, other, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg,
-                           tmp_path / "b", pad_id=0)
+    resumed = train_eagle3(
+        target, data, other, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg, tmp_path / "b", pad_id=0
+    )
     assert torch.equal(resumed.head.d2t, saved.d2t) and torch.equal(resumed.head.t2d, saved.t2d)
     assert checkpoint_vocab_map(tmp_path / "b" / "checkpoint").sha256() == saved.sha256()
     assert [round(e["loss"], 5) for e in resumed.log] == [round(e["loss"], 5) for e in full.log]
@@ -94,11 +97,18 @@ def test_resume_refuses_an_old_checkpoint_without_its_vocab_map(tiny_llama, tmp_
     target = tiny_llama(seed=7)
     data = make_data()
     run(target, data, tmp_path, max_steps=2)
-    (tmp_path / "checkpoint" / "vocab_map.safetensors").unlink()       # as written before maps were saved
+    (tmp_path / "checkpoint" / "vocab_map.safetensors").unlink()  # as written before maps were saved
     other = build_vocab_map(torch.arange(96).flip(0), 64)
     with pytest.raises(ValueError, match="another vocab map"):
-        train_eagle3(target, data, other, HeadConfig(ttt_steps=2, aux_layer_ids=[1, 2, 3]),
-                     TrainConfig(mixed_precision="no", max_steps=4, batch_size=4), tmp_path, pad_id=0)
+        train_eagle3(
+            target,
+            data,
+            other,
+            HeadConfig(ttt_steps=2, aux_layer_ids=[1, 2, 3]),
+            TrainConfig(mixed_precision="no", max_steps=4, batch_size=4),
+            tmp_path,
+            pad_id=0,
+        )
 
 
 def test_resume_refuses_another_data_schedule(tiny_llama, tmp_path):
@@ -108,8 +118,15 @@ def test_resume_refuses_another_data_schedule(tiny_llama, tmp_path):
     run(target, data, tmp_path, max_steps=2)
     vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, 96), 64, always_include=[1])
     with pytest.raises(ValueError, match="data schedule"):
-        train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]),
-                     TrainConfig(mixed_precision="no", max_steps=4, batch_size=4, micro_batch_size=2), tmp_path, pad_id=0)
+        train_eagle3(
+            target,
+            data,
+            vmap,
+            HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]),
+            TrainConfig(mixed_precision="no", max_steps=4, batch_size=4, micro_batch_size=2),
+            tmp_path,
+            pad_id=0,
+        )
 
 
 def test_length_grouped_batches_cover_the_epoch_once_with_less_padding():
@@ -121,7 +138,7 @@ def test_length_grouped_batches_cover_the_epoch_once_with_less_padding():
         grouped = batches_for_epoch(1003, 8, 3, epoch, lengths, megabatch=16)
         assert sorted(i for b in grouped for i in b) == list(range(1003))
         assert len(grouped) == len(batches_for_epoch(1003, 8, 3, epoch)) == 126
-        assert grouped == batches_for_epoch(1003, 8, 3, epoch, lengths, megabatch=16)   # pure function
+        assert grouped == batches_for_epoch(1003, 8, 3, epoch, lengths, megabatch=16)  # pure function
 
     def padded(batches):
         return sum(len(b) * max(lengths[i] for i in b) for b in batches)
@@ -132,14 +149,18 @@ def test_length_grouped_batches_cover_the_epoch_once_with_less_padding():
 # --------------------------------------------------------------------------------------- chat data
 
 
-
-
 def conversations(n: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     words = ["def", "add", "(a, b)", "return", "a + b", "Hello", "there", "how", "are", "you", "?", ":"]
-    return [{"messages": [{"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 6)))},
-                          {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(4, 12)))}]}
-            for _ in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": " ".join(rng.choices(words, k=rng.randint(2, 6)))},
+                {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randint(4, 12)))},
+            ]
+        }
+        for _ in range(n)
+    ]
 
 
 def test_offline_shards_give_the_online_loss(tiny_llama, chatml, tmp_path):
@@ -147,20 +168,46 @@ def test_offline_shards_give_the_online_loss(tiny_llama, chatml, tmp_path):
     from draftsmith.data_pipeline.shards import ShardReader, write_shards
 
     target = tiny_llama(seed=3, vocab_size=len(chatml))
-    write_shards(target, chatml, conversations(10), tmp_path / "capture", aux_layer_ids=(1, 2, 3), max_length=48,
-                 shard_size=4, batch_size=3, target_name="tiny", progress=False)
+    write_shards(
+        target,
+        chatml,
+        conversations(10),
+        tmp_path / "capture",
+        aux_layer_ids=(1, 2, 3),
+        max_length=48,
+        shard_size=4,
+        batch_size=3,
+        target_name="tiny",
+        progress=False,
+    )
     reader = ShardReader(tmp_path / "capture")
     seqs = list(reader)
     assert reader.lengths() == [s.input_ids.numel() for s in seqs]
     online = RenderedDataset([s.input_ids for s in seqs], [s.loss_mask for s in seqs])
-    vmap = build_vocab_map(count_tokens(online.input_ids, online.loss_mask, len(chatml)), 128,
-                           always_include=[chatml.eos_token_id])
+    vmap = build_vocab_map(
+        count_tokens(online.input_ids, online.loss_mask, len(chatml)), 128, always_include=[chatml.eos_token_id]
+    )
     head_cfg = HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3], prompt_loss_weight=0.25)
-    cfg = TrainConfig(mixed_precision="no", max_steps=4, batch_size=4, micro_batch_size=2, lr=3e-3, warmup_steps=1, log_every=1,
-                      group_by_length=True)
+    cfg = TrainConfig(
+        mixed_precision="no",
+        max_steps=4,
+        batch_size=4,
+        micro_batch_size=2,
+        lr=3e-3,
+        warmup_steps=1,
+        log_every=1,
+        group_by_length=True,
+    )
     a = train_eagle3(target, online, vmap, head_cfg, cfg, tmp_path / "online", pad_id=chatml.pad_token_id)
-    b = train_eagle3(target, reader, vmap, head_cfg, TrainConfig(**{**vars(cfg), "mode": "offline"}),
-                     tmp_path / "offline", pad_id=chatml.pad_token_id)
+    b = train_eagle3(
+        target,
+        reader,
+        vmap,
+        head_cfg,
+        TrainConfig(**{**vars(cfg), "mode": "offline"}),
+        tmp_path / "offline",
+        pad_id=chatml.pad_token_id,
+    )
     assert len(a.log) == len(b.log) == 4
     for x, y in zip(a.log, b.log):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
@@ -193,10 +240,24 @@ def test_right_padding_changes_neither_states_nor_loss(tiny_llama):
     torch.testing.assert_close(both.aux_hidden[:1, :t], alone.aux_hidden, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(both.target_logits[:1, :t], alone.target_logits, rtol=1e-5, atol=1e-5)
     for w in (0.0, 0.5):
-        ref = ttt_loss(head, alone.aux_hidden, alone_ids, alone.target_logits, alone_mask, attention_mask=alone_attn,
-                       prompt_loss_weight=w)
-        padded = ttt_loss(head, both.aux_hidden[:1], both_ids[:1], both.target_logits[:1], both_mask[:1],
-                          attention_mask=both_attn[:1], prompt_loss_weight=w)
+        ref = ttt_loss(
+            head,
+            alone.aux_hidden,
+            alone_ids,
+            alone.target_logits,
+            alone_mask,
+            attention_mask=alone_attn,
+            prompt_loss_weight=w,
+        )
+        padded = ttt_loss(
+            head,
+            both.aux_hidden[:1],
+            both_ids[:1],
+            both.target_logits[:1],
+            both_mask[:1],
+            attention_mask=both_attn[:1],
+            prompt_loss_weight=w,
+        )
         assert float(padded.loss.detach()) == pytest.approx(float(ref.loss.detach()), rel=1e-5)
         assert padded.step_count == ref.step_count
 
@@ -207,14 +268,14 @@ def test_micro_batches_do_not_depend_on_the_world_size():
 
     lengths = [random.Random(i).randint(5, 50) for i in range(37)]
     one = StepSchedule(37, 8, 2, 1, seed=3, lengths=lengths)
-    assert one.grad_accum == 4 and one.steps_per_epoch == 5          # 4 full batches + the last 5 cut to 4
+    assert one.grad_accum == 4 and one.steps_per_epoch == 5  # 4 full batches + the last 5 cut to 4
     for world in (2, 4):
         many = StepSchedule(37, 8, 2, world, seed=3, lengths=lengths)
         assert many.steps_per_epoch == one.steps_per_epoch and many.grad_accum == 4 // world
         for step in range(12):
             merged = [mb for r in range(world) for mb in many.micro_batches(step, r)]
             assert merged == one.micro_batches(step, 0)
-    plain = StepSchedule(37, 8, 8, 1, seed=3)                          # no accumulation: the old batches
+    plain = StepSchedule(37, 8, 8, 1, seed=3)  # no accumulation: the old batches
     assert [plain.micro_batches(s, 0)[0] for s in range(5)] == batches_for_epoch(37, 8, 3, 0)
     with pytest.raises(ValueError, match="multiple"):
         StepSchedule(37, 8, 3, 2, seed=0)
@@ -233,7 +294,7 @@ def test_launches_that_differ_from_the_recipe_are_refused(monkeypatch):
         check_launch(acc, "auto", 2)
     with pytest.raises(LaunchError, match="asks for strategy 'ddp'"):
         check_launch(acc, "ddp")
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")                  # an FSDP config on one process
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # an FSDP config on one process
     with pytest.raises(LaunchError, match="single process"):
         check_launch(acc)
     monkeypatch.setenv("FSDP_VERSION", "1")
@@ -243,8 +304,8 @@ def test_launches_that_differ_from_the_recipe_are_refused(monkeypatch):
 
 def test_inloop_acceptance_is_the_eval_acceptance(tiny_llama, chatml, tmp_path):
     """τ logged every N steps equals what `draftsmith eval`'s evaluate() reports for the same head and prompts."""
-    from draftsmith.data_pipeline.dataset import render_dataset
     from draftsmith.core.target import TargetModel
+    from draftsmith.data_pipeline.dataset import render_dataset
     from draftsmith.drafters.eagle3.proposer import Eagle3Proposer
     from draftsmith.evaluation.config import EvalConfig
     from draftsmith.evaluation.heldout import EvalRow, evaluate
@@ -254,12 +315,29 @@ def test_inloop_acceptance_is_the_eval_acceptance(tiny_llama, chatml, tmp_path):
     target = tiny_llama(seed=3, vocab_size=len(chatml))
     data = render_dataset(chatml, conversations(8), 48)
     heldout = conversations(3, seed=9)
-    vmap = build_vocab_map(count_tokens(data.input_ids, data.loss_mask, len(chatml)), 128,
-                           always_include=[chatml.eos_token_id])
-    cfg = TrainConfig(mixed_precision="no", max_steps=4, batch_size=4, lr=3e-3, warmup_steps=1, log_every=3,
-                      acceptance=AcceptanceConfig(every=2, prompts=3, k=3, max_new_tokens=12))
-    result = train_eagle3(target, data, vmap, HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]), cfg, tmp_path,
-                          pad_id=chatml.pad_token_id, heldout=heldout, tokenizer=chatml)
+    vmap = build_vocab_map(
+        count_tokens(data.input_ids, data.loss_mask, len(chatml)), 128, always_include=[chatml.eos_token_id]
+    )
+    cfg = TrainConfig(
+        mixed_precision="no",
+        max_steps=4,
+        batch_size=4,
+        lr=3e-3,
+        warmup_steps=1,
+        log_every=3,
+        acceptance=AcceptanceConfig(every=2, prompts=3, k=3, max_new_tokens=12),
+    )
+    result = train_eagle3(
+        target,
+        data,
+        vmap,
+        HeadConfig(ttt_steps=3, aux_layer_ids=[1, 2, 3]),
+        cfg,
+        tmp_path,
+        pad_id=chatml.pad_token_id,
+        heldout=heldout,
+        tokenizer=chatml,
+    )
     measured = [e for e in result.log if "tau" in e]
     assert [e["step"] for e in measured] == [2, 4] and [e["step"] for e in result.log] == [2, 3, 4]
     tasks = {"heldout": [{"messages": m} for m in heldout_prompts(heldout, 3)]}
@@ -284,8 +362,10 @@ def test_trackers_are_checked(tiny_llama, tmp_path):
             run(target, make_data(), tmp_path, max_steps=1, trackers=[name])
 
 
-@pytest.mark.skipif(__import__("importlib").util.find_spec("wandb") is None,
-                    reason="wandb is not installed (pip install wandb); offline logging untested here")
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("wandb") is None,
+    reason="wandb is not installed (pip install wandb); offline logging untested here",
+)
 def test_wandb_offline(tiny_llama, tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -294,8 +374,10 @@ def test_wandb_offline(tiny_llama, tmp_path, monkeypatch):
     assert list((tmp_path / "wandb").glob("offline-run-*")), "wandb wrote no offline run"
 
 
-@pytest.mark.skipif(all(__import__("importlib").util.find_spec(m) is None for m in ("tensorboard", "tensorboardX")),
-                    reason="tensorboard is not installed (pip install tensorboard); its tracker untested here")
+@pytest.mark.skipif(
+    all(__import__("importlib").util.find_spec(m) is None for m in ("tensorboard", "tensorboardX")),
+    reason="tensorboard is not installed (pip install tensorboard); its tracker untested here",
+)
 def test_tensorboard(tiny_llama, tmp_path):
     run(tiny_llama(seed=7), make_data(), tmp_path, max_steps=2, trackers=["tensorboard"])
     assert list((tmp_path / "logs").rglob("events.out.tfevents.*"))
@@ -305,18 +387,41 @@ def test_pipeline_trains_offline_from_capture(tiny_llama, chatml, tmp_path):
     """`draftsmith capture` then `draftsmith train` with train.mode=offline: the head trains from the
     shards, τ is measured on the held-out split and lands in the exported metadata."""
     from draftsmith.config import load_config
-    from draftsmith.pipeline.stages import run_capture, run_train
     from draftsmith.pipeline.recipe import Recipe
+    from draftsmith.pipeline.stages import run_capture, run_train
 
     source = tmp_path / "conversations.jsonl"
     source.write_text("".join(json.dumps(c) + "\n" for c in conversations(14)))
-    recipe = load_config(Recipe, None, [
-        f"out_dir={tmp_path / 'runs'}", "name=offline", f"data.source={source}", "data.num_conversations=11",
-        "data.heldout_conversations=3", "data.regenerate=false", "data.max_length=48", "data.draft_vocab_size=128",
-        "drafter.aux_layer_ids=[1, 2, 3]", "drafter.ttt_steps=2", "drafter.num_speculative_tokens=2", "train.mode=offline", "train.max_steps=3",
-        "train.batch_size=4", "train.micro_batch_size=2", "train.warmup_steps=1", "train.log_every=1",
-        "train.acceptance.every=3", "train.acceptance.prompts=2", "train.acceptance.k=2",
-        "train.acceptance.max_new_tokens=6", "capture.shard_size=5", "capture.batch_size=2", "export.formats=[draftsmith]"])
+    recipe = load_config(
+        Recipe,
+        None,
+        [
+            f"out_dir={tmp_path / 'runs'}",
+            "name=offline",
+            f"data.source={source}",
+            "data.num_conversations=11",
+            "data.heldout_conversations=3",
+            "data.regenerate=false",
+            "data.max_length=48",
+            "data.draft_vocab_size=128",
+            "drafter.aux_layer_ids=[1, 2, 3]",
+            "drafter.ttt_steps=2",
+            "drafter.num_speculative_tokens=2",
+            "train.mode=offline",
+            "train.max_steps=3",
+            "train.batch_size=4",
+            "train.micro_batch_size=2",
+            "train.warmup_steps=1",
+            "train.log_every=1",
+            "train.acceptance.every=3",
+            "train.acceptance.prompts=2",
+            "train.acceptance.k=2",
+            "train.acceptance.max_new_tokens=6",
+            "capture.shard_size=5",
+            "capture.batch_size=2",
+            "export.formats=[draftsmith]",
+        ],
+    )
     target = tiny_llama(seed=3, vocab_size=len(chatml))
     manifest = run_capture(recipe, target, chatml)
     assert manifest["complete"] and manifest["num_sequences"] == 11

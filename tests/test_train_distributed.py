@@ -11,6 +11,7 @@ The FSDP run shards the target's layers too and leaves its step-2 checkpoint, wh
 resumes (the checkpoint format does not depend on the strategy) to the same steps 3-4. Launching
 ``accelerate launch --cpu --num_processes 2`` starts one process: the trainer must refuse it.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -28,9 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 JOB = ROOT / "tests" / "distributed_job.py"
 STEPS = 4
 pytestmark = pytest.mark.slow
-needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None,
-                                     reason="DeepSpeed is not installed (pip install 'draftsmith[deepspeed]', "
-                                            "built with DS_BUILD_OPS=0 on CPU)")
+needs_deepspeed = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None,
+    reason="DeepSpeed is not installed (pip install 'draftsmith[deepspeed]', built with DS_BUILD_OPS=0 on CPU)",
+)
 
 
 def _job_module():
@@ -55,16 +57,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(config: str, out: Path, *job_args: str, cpu_flag: bool = False, processes: int = 2,
-           use_cpu_env: bool = True) -> subprocess.CompletedProcess:
+def launch(
+    config: str, out: Path, *job_args: str, cpu_flag: bool = False, processes: int = 2, use_cpu_env: bool = True
+) -> subprocess.CompletedProcess:
     """``accelerate launch --config_file recipes/accelerate/CONFIG.yaml`` of the job, 10 minutes at most."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.pop("ACCELERATE_USE_CPU", None)
     if use_cpu_env:
         env["ACCELERATE_USE_CPU"] = "1"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-           str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"), "--num_processes", str(processes),
-           "--main_process_port", str(_free_port())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(ROOT / "recipes" / "accelerate" / f"{config}.yaml"),
+        "--num_processes",
+        str(processes),
+        "--main_process_port",
+        str(_free_port()),
+    ]
     cmd += ["--cpu"] if cpu_flag else []
     cmd += [str(JOB), str(out), *job_args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -80,7 +91,9 @@ def check_equivalent(strategy: str, out: Path, reference: dict, local_fraction: 
         assert [e["step"] for e in got["log"]] == list(range(1, STEPS + 1))
         for a, b in zip(got["log"], reference["log"]):
             for key in ("loss", "grad_norm", "lr", "acc_0", "acc_1", "acc_2"):
-                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), f"{strategy} rank {r} step {a['step']} {key}"
+                assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (
+                    f"{strategy} rank {r} step {a['step']} {key}"
+                )
         for name, value in reference["checksum"].items():
             assert got["checksum"][name] == pytest.approx(value, rel=1e-5, abs=1e-6), f"{strategy} rank {r} {name}"
     return ranks
@@ -88,8 +101,20 @@ def check_equivalent(strategy: str, out: Path, reference: dict, local_fraction: 
 
 def run_strategy(strategy: str, tmp_path: Path, *extra: str, use_cpu_env: bool = True) -> Path:
     out = tmp_path / strategy
-    proc = launch(strategy, out, "--strategy", strategy, "--num-processes", "2", "--steps", str(STEPS),
-                  "--micro-batch-size", "1", *extra, use_cpu_env=use_cpu_env)
+    proc = launch(
+        strategy,
+        out,
+        "--strategy",
+        strategy,
+        "--num-processes",
+        "2",
+        "--steps",
+        str(STEPS),
+        "--micro-batch-size",
+        "1",
+        *extra,
+        use_cpu_env=use_cpu_env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     started = f"draftsmith train: {strategy} on 2 process(es), online mode, 2 accumulation step(s)"
     assert started in proc.stdout + proc.stderr
@@ -110,7 +135,7 @@ def test_fsdp2_matches_single_process_and_its_checkpoint_resumes_anywhere(tmp_pa
     resumed_dir = tmp_path / "resumed"
     resumed_dir.mkdir()
     shutil.copytree(out / "checkpoint-step2", resumed_dir / "checkpoint")
-    resumed = _job_module().run(resumed_dir, "single", 1, STEPS, micro_batch_size=1)   # FSDP checkpoint, 1 process
+    resumed = _job_module().run(resumed_dir, "single", 1, STEPS, micro_batch_size=1)  # FSDP checkpoint, 1 process
     for a, b in zip(resumed.log[2:], reference["log"][2:]):
         assert a["step"] == b["step"] and a["loss"] == pytest.approx(b["loss"], rel=1e-5)
 

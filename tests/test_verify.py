@@ -1,4 +1,5 @@
 """Accept/reject with stub logits (always / never / sometimes), and the sampling verifier's distribution."""
+
 from __future__ import annotations
 
 import pytest
@@ -19,12 +20,15 @@ def _stub_logits(target_tokens: list[int]) -> torch.Tensor:
     return logits
 
 
-@pytest.mark.parametrize("drafts, targets, n", [
-    ([3, 4, 5, 6], [3, 4, 5, 6, 7], 4),          # always accept: bonus token 7
-    ([1, 4, 5, 6], [3, 4, 5, 6, 7], 0),          # never accept: first draft wrong
-    ([3, 4, 9, 6], [3, 4, 5, 6, 7], 2),          # accept 2 of 4: correction 5
-    ([], [8], 0),                                # k = 0: one target token
-])
+@pytest.mark.parametrize(
+    "drafts, targets, n",
+    [
+        ([3, 4, 5, 6], [3, 4, 5, 6, 7], 4),  # always accept: bonus token 7
+        ([1, 4, 5, 6], [3, 4, 5, 6, 7], 0),  # never accept: first draft wrong
+        ([3, 4, 9, 6], [3, 4, 5, 6, 7], 2),  # accept 2 of 4: correction 5
+        ([], [8], 0),  # k = 0: one target token
+    ],
+)
 def test_verify_greedy(drafts, targets, n):
     emitted, accepted = verify_greedy(torch.tensor(drafts, dtype=torch.long), _stub_logits(targets))
     assert accepted == n
@@ -63,8 +67,14 @@ def test_verify_sampling_refuses_draft_outside_q():
         verify_sampling(torch.tensor([2]), _one_hot_rows([3]), _one_hot_rows([3, 3]))
 
 
-def _first_token_pvalue(p: torch.Tensor, q: torch.Tensor | None, trials: int, seed: int,
-                        fixed_drafts: torch.Tensor | None = None, position: int = 0) -> float:
+def _first_token_pvalue(
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    trials: int,
+    seed: int,
+    fixed_drafts: torch.Tensor | None = None,
+    position: int = 0,
+) -> float:
     """Chi-square p-value of emitted[position] against p[position] over many verify calls."""
     g = torch.Generator().manual_seed(seed)
     k = p.shape[0] - 1
@@ -83,7 +93,7 @@ def _first_token_pvalue(p: torch.Tensor, q: torch.Tensor | None, trials: int, se
 def pq():
     torch.manual_seed(1234)
     dirichlet = torch.distributions.Dirichlet(torch.ones(6))
-    return dirichlet.sample((4,)), dirichlet.sample((3,))                 # p [k+1, 6], q [k, 6], k = 3
+    return dirichlet.sample((4,)), dirichlet.sample((3,))  # p [k+1, 6], q [k, 6], k = 3
 
 
 def test_sampling_first_token_follows_p(pq):
@@ -98,7 +108,7 @@ def test_sampling_with_one_hot_q_follows_p(pq):
 
 def test_sampling_bonus_token_follows_p(pq):
     p, _ = pq
-    q = p[:1].clone()                                                    # q == p: the draft is always accepted
+    q = p[:1].clone()  # q == p: the draft is always accepted
     assert _first_token_pvalue(p[:2], q, trials=20000, seed=2, position=1) > 1e-3
 
 
@@ -115,8 +125,8 @@ def test_logits_to_probs_truncation():
     torch.testing.assert_close(logits_to_probs(logits, 0.5), torch.softmax(logits / 0.5, -1))
     top2 = logits_to_probs(logits, 1.0, top_k=2)
     assert (top2[0, 2:] == 0).all() and torch.isclose(top2.sum(), torch.tensor(1.0))
-    full = torch.softmax(logits, -1)[0]                                  # ~[.64, .24, .09, .03, .01]
-    nucleus = logits_to_probs(logits, 1.0, top_p=0.8)                    # .64 < .8 <= .64 + .24
+    full = torch.softmax(logits, -1)[0]  # ~[.64, .24, .09, .03, .01]
+    nucleus = logits_to_probs(logits, 1.0, top_p=0.8)  # .64 < .8 <= .64 + .24
     assert (nucleus[0, :2] > 0).all() and (nucleus[0, 2:] == 0).all()
     torch.testing.assert_close(nucleus[0, :2], full[:2] / full[:2].sum())
     assert (logits_to_probs(logits, 1.0, top_p=0.01)[0, 1:] == 0).all()  # the top token always stays
@@ -129,7 +139,7 @@ def test_residual_probs_and_fallback():
     p = torch.tensor([0.5, 0.3, 0.2])
     q = torch.tensor([0.2, 0.6, 0.2])
     torch.testing.assert_close(residual_probs(p, q), torch.tensor([1.0, 0.0, 0.0]))
-    torch.testing.assert_close(residual_probs(p, p), p)                 # residual mass 0 -> p
+    torch.testing.assert_close(residual_probs(p, p), p)  # residual mass 0 -> p
 
 
 def test_sample_shapes():

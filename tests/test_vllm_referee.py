@@ -8,6 +8,7 @@ our side of the referee and the metadata record are tested without vLLM.
 The tiny head gets a few TTT steps on the target's own greedy continuations (seconds), so acceptance
 is neither 0 nor 1 at every position: a per-position comparison of all-zero counts would prove nothing.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,13 +17,22 @@ import os
 import pytest
 import torch
 
-from draftsmith.evaluation.referee import (Counters, RunResult, compare, record_verdicts, run_ours, vllm_python,
-                                       vllm_view)
+from draftsmith.evaluation.referee import (
+    Counters,
+    RunResult,
+    compare,
+    record_verdicts,
+    run_ours,
+    vllm_python,
+    vllm_view,
+)
 
 VOCAB, HIDDEN, LAYERS, MAX_TOKENS = 256, 128, 4, 24
 TRAIN_STEPS = 60
-TEMPLATE = "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}{% if add_generation_prompt %}" \
-           "<|assistant|> {% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}<|{{ m.role }}|> {{ m.content }} {% endfor %}{% if add_generation_prompt %}"
+    "<|assistant|> {% endif %}"
+)
 
 
 def build_tiny(root, seed: int = 0, draft_vocab_size: int = 160):
@@ -31,10 +41,10 @@ def build_tiny(root, seed: int = 0, draft_vocab_size: int = 160):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    from draftsmith.identity import target_identity
+    from draftsmith.data_pipeline.vocab import build_vocab_map
     from draftsmith.drafters.eagle3.export import export_eagle3
     from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
-    from draftsmith.data_pipeline.vocab import build_vocab_map
+    from draftsmith.identity import target_identity
 
     specials = ["<pad>", "<eos>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
     vocab = {t: i for i, t in enumerate(specials + [f"w{i}" for i in range(VOCAB - len(specials))])}
@@ -42,15 +52,24 @@ def build_tiny(root, seed: int = 0, draft_vocab_size: int = 160):
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
     tok.chat_template = TEMPLATE
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                         num_hidden_layers=LAYERS, num_attention_heads=2, num_key_value_heads=1,
-                         max_position_embeddings=512, tie_word_embeddings=True, bos_token_id=None,
-                         eos_token_id=1, pad_token_id=0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=2 * HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=1,
+        pad_token_id=0,
+    )
     torch.manual_seed(seed)
     target = LlamaForCausalLM(config).eval()
     with torch.no_grad():
         target.model.embed_tokens.weight.normal_(0, 1.0)
-        target.model.norm.weight.normal_(0, 1.0)        # large logit gaps: no near-ties between engines
+        target.model.norm.weight.normal_(0, 1.0)  # large logit gaps: no near-ties between engines
     target.save_pretrained(root / "target")
     tok.save_pretrained(root / "target")
 
@@ -73,8 +92,13 @@ def _fit(head, target, seed: int, steps: int = TRAIN_STEPS) -> None:
 
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
-        seqs = target.generate(torch.randint(6, VOCAB, (32, 8), generator=g), max_new_tokens=56, do_sample=False,
-                               min_new_tokens=56, pad_token_id=0)
+        seqs = target.generate(
+            torch.randint(6, VOCAB, (32, 8), generator=g),
+            max_new_tokens=56,
+            do_sample=False,
+            min_new_tokens=56,
+            pad_token_id=0,
+        )
         out = target(seqs, output_hidden_states=True)
         aux = torch.cat([out.hidden_states[i] for i in head.config.aux_layer_ids], dim=-1)
     mask = torch.ones_like(seqs, dtype=torch.bool)
@@ -94,8 +118,10 @@ def tiny_prompts(tok, n: int = 6, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
-        words = " ".join(f"w{int(i)}" for i in torch.randint(0, VOCAB - 6, (int(torch.randint(3, 12, (1,), generator=g)),),
-                                                             generator=g))
+        words = " ".join(
+            f"w{int(i)}"
+            for i in torch.randint(0, VOCAB - 6, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g)
+        )
         out.append(prompt_ids(tok, [{"role": "user", "content": words}]).tolist())
     return out
 
@@ -107,9 +133,9 @@ def test_vllm_view_counts_full_drafts_until_the_stop():
     tokens, c = vllm_view(4, steps, max_tokens=6, stop_ids=[99], k=3)
     assert tokens == [4, 5, 6, 7, 8, 9]
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens, c.accepted_per_pos) == (2, 6, 5, [2, 2, 1])
-    tokens, c = vllm_view(4, steps, max_tokens=50, stop_ids=[6], k=3)      # EOS inside an accepted chunk
+    tokens, c = vllm_view(4, steps, max_tokens=50, stop_ids=[6], k=3)  # EOS inside an accepted chunk
     assert tokens == [4, 5, 6] and c.num_drafts == 1 and c.accepted_per_pos == [1, 1, 0]
-    tokens, c = vllm_view(99, steps, max_tokens=50, stop_ids=[99], k=3)    # the first token stops
+    tokens, c = vllm_view(99, steps, max_tokens=50, stop_ids=[99], k=3)  # the first token stops
     assert tokens == [99] and c.num_drafts == 0
 
 
@@ -133,16 +159,32 @@ def test_compare_and_record(tmp_path):
 
     _, head_dir, _ = build_tiny(tmp_path)
     c = [Counters(2, 6, 3, [2, 1, 0])]
-    same = compare("research", 3, "0.32.0", RunResult([[1, 2]]), RunResult([[1, 2]], c), RunResult([[1, 2]]),
-                   RunResult([[1, 2]], c), max_tokens=2)
-    off = compare("research", 5, "0.32.0", RunResult([[1, 2]]), RunResult([[1, 2]], c), RunResult([[1, 2]]),
-                  RunResult([[1, 2]], [Counters(2, 6, 2, [2, 0, 0])]), max_tokens=2)
+    same = compare(
+        "research",
+        3,
+        "0.32.0",
+        RunResult([[1, 2]]),
+        RunResult([[1, 2]], c),
+        RunResult([[1, 2]]),
+        RunResult([[1, 2]], c),
+        max_tokens=2,
+    )
+    off = compare(
+        "research",
+        5,
+        "0.32.0",
+        RunResult([[1, 2]]),
+        RunResult([[1, 2]], c),
+        RunResult([[1, 2]]),
+        RunResult([[1, 2]], [Counters(2, 6, 2, [2, 0, 0])]),
+        max_tokens=2,
+    )
     assert same.match and not off.match
     record_verdicts(head_dir, [same, off])
     referee = read_metadata(head_dir).referee
     assert list(referee) == ["vllm/research/k3"] and referee["vllm/research/k3"]["match"] is True
     assert referee["vllm/research/k3"]["weights"] == read_metadata(head_dir).weights
-    with pytest.raises(RuntimeError, match="re-exported"):      # verdicts about weights no longer there
+    with pytest.raises(RuntimeError, match="re-exported"):  # verdicts about weights no longer there
         record_verdicts(head_dir, [same], weights={"model.safetensors": "0" * 64})
 
 
@@ -152,8 +194,11 @@ def vllm_opted_in(request):
     """Skip unless asked for: DRAFTSMITH_RUN_VLLM=1, ``-m vllm``, or ``--run-vllm`` (when a conftest
     registers that option); and skip when the vLLM venv is missing."""
     config = request.config
-    asked = (os.environ.get("DRAFTSMITH_RUN_VLLM") == "1" or config.getoption("--run-vllm", default=False)
-             or "vllm" in (config.getoption("markexpr", default="") or ""))
+    asked = (
+        os.environ.get("DRAFTSMITH_RUN_VLLM") == "1"
+        or config.getoption("--run-vllm", default=False)
+        or "vllm" in (config.getoption("markexpr", default="") or "")
+    )
     if not asked:
         pytest.skip("opt-in: DRAFTSMITH_RUN_VLLM=1 (or -m vllm / --run-vllm)")
     if not vllm_python().exists():
@@ -162,8 +207,8 @@ def vllm_opted_in(request):
 
 @pytest.mark.vllm
 def test_vllm_decodes_like_draftsmith(tmp_path, vllm_opted_in):
-    from draftsmith.export.metadata import read_metadata
     from draftsmith.evaluation.referee import format_table, referee
+    from draftsmith.export.metadata import read_metadata
 
     target_dir, head_dir, tok = build_tiny(tmp_path)
     verdicts, _ = referee(head_dir, str(target_dir), tiny_prompts(tok), ks=(3,), max_tokens=MAX_TOKENS)
@@ -171,4 +216,4 @@ def test_vllm_decodes_like_draftsmith(tmp_path, vllm_opted_in):
     print(table)
     assert all(v.match for v in verdicts), table
     assert set(read_metadata(head_dir).referee) == {"vllm/research/k3", "vllm/speculators/k3"}
-    assert json.dumps(read_metadata(head_dir).to_dict())   # still serialisable
+    assert json.dumps(read_metadata(head_dir).to_dict())  # still serialisable

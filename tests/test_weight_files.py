@@ -3,18 +3,19 @@
 The files below are written as a converter would write them, their sha256 recorded in draftsmith.json so
 the hash check passes: only the tensor checks can refuse them, and the refusal names the file and the
 field."""
+
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from draftsmith.data_pipeline.vocab import build_vocab_map
 from draftsmith.drafters.eagle3.check import check_head, load_eagle3
-from draftsmith.identity import file_sha256, target_identity
-from draftsmith.export.metadata import HeadMismatchError
 from draftsmith.drafters.eagle3.export import export_eagle3
 from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
-from draftsmith.data_pipeline.vocab import build_vocab_map
+from draftsmith.export.metadata import HeadMismatchError
+from draftsmith.identity import file_sha256, target_identity
 
 SPEC = "speculators/model.safetensors"
 
@@ -27,8 +28,11 @@ def exported_all(tiny_llama, word_tokenizer, tmp_path):
     head = Eagle3Head(Eagle3Config.from_target(target.config, draft_vocab_size=48))
     vm = build_vocab_map(torch.randint(0, 100, (96,)), 48)
     head.set_vocab_map(vm.d2t, vm.t2d)
-    return target, tok, export_eagle3(head, tmp_path / "head", target_identity(target, tok, "tiny"), target.config,
-                                      formats=("all",))
+    return (
+        target,
+        tok,
+        export_eagle3(head, tmp_path / "head", target_identity(target, tok, "tiny"), target.config, formats=("all",)),
+    )
 
 
 def convert(head_dir, rel, mutate):
@@ -45,9 +49,12 @@ def convert(head_dir, rel, mutate):
 
 def refused_everywhere(head_dir, target, tok, field, *words):
     """check (root and format dir) and both loaders refuse, naming ``field`` and ``words``."""
-    calls = (lambda: check_head(head_dir, target, tok), lambda: check_head(head_dir, None),
-             lambda: load_eagle3(head_dir, target_model=target, tokenizer=tok),
-             lambda: load_eagle3(head_dir / "speculators", target_model=target, tokenizer=tok))
+    calls = (
+        lambda: check_head(head_dir, target, tok),
+        lambda: check_head(head_dir, None),
+        lambda: load_eagle3(head_dir, target_model=target, tokenizer=tok),
+        lambda: load_eagle3(head_dir / "speculators", target_model=target, tokenizer=tok),
+    )
     for call in calls:
         with pytest.raises(HeadMismatchError) as err:
             call()
@@ -76,14 +83,20 @@ def test_speculators_file_with_an_index_style_d2t(exported_all):
 
     def index_style(sd):
         sd["d2t"] = torch.arange(48) + sd["d2t"]
+
     convert(head_dir, SPEC, index_style)
     refused_everywhere(head_dir, target, tok, "d2t", SPEC, "index", "offsets")
 
 
 def test_speculators_file_named_for_the_research_layout(exported_all):
     target, tok, head_dir = exported_all
-    convert(head_dir, SPEC, lambda sd: sd.update({k.replace("layers.0.", "midlayer."): sd.pop(k)
-                                                  for k in [k for k in sd if k.startswith("layers.0.")]}))
+    convert(
+        head_dir,
+        SPEC,
+        lambda sd: sd.update(
+            {k.replace("layers.0.", "midlayer."): sd.pop(k) for k in [k for k in sd if k.startswith("layers.0.")]}
+        ),
+    )
     refused_everywhere(head_dir, target, tok, "weights", SPEC, "layers.0.")
 
 
@@ -124,7 +137,7 @@ def test_mlp_speculator_checks_every_listed_file(tiny_llama, word_tokenizer, tmp
     out = export_mlp_speculator(head, tmp_path / "mlp", target_identity(target, tok, "tiny"))
     check_mlp_speculator(out, target, tok)
     meta = json.loads((out / "draftsmith.json").read_text())
-    meta["weights"]["stage2.safetensors"] = "0" * 64           # listed, absent: never even looked at today
+    meta["weights"]["stage2.safetensors"] = "0" * 64  # listed, absent: never even looked at today
     (out / "draftsmith.json").write_text(json.dumps(meta))
     with pytest.raises(HeadMismatchError) as err:
         check_mlp_speculator(out, target, tok)
@@ -148,11 +161,14 @@ def draft_dir(tiny_llama, word_tokenizer, tmp_path):
     return export_draft_model(draft, tok, tmp_path / "draft", target_identity(target, tok, "tiny")), target, tok
 
 
-@pytest.mark.parametrize("mutate, words", [
-    (lambda sd: sd.pop("model.norm.weight"), ("model.norm.weight", "missing")),
-    (lambda sd: sd.update({"model.layers.0.mlp.up_proj.bias": torch.zeros(64)}), ("up_proj.bias", "unexpected")),
-    (lambda sd: sd.update({"lm_head.weight": torch.zeros(95, 32)}), ("lm_head.weight", "(95, 32)")),
-])
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda sd: sd.pop("model.norm.weight"), ("model.norm.weight", "missing")),
+        (lambda sd: sd.update({"model.layers.0.mlp.up_proj.bias": torch.zeros(64)}), ("up_proj.bias", "unexpected")),
+        (lambda sd: sd.update({"lm_head.weight": torch.zeros(95, 32)}), ("lm_head.weight", "(95, 32)")),
+    ],
+)
 def test_draft_model_weights_are_checked_against_its_config(draft_dir, mutate, words):
     """transformers would load such a file with a warning (a missing tensor randomly initialised)."""
     from draftsmith.drafters.draft_model.export import check_draft_model, load_draft_model
@@ -185,7 +201,7 @@ def test_sharded_draft_model_checks_every_shard_and_the_index(draft_dir):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     per_shard = {s: [n for n, f in index["weight_map"].items() if f == s] for s in shards}
     name, where = next((n, f) for n, f in index["weight_map"].items() if len(per_shard[f]) > 1)
-    index["weight_map"][name] = next(s for s in shards if s != where)     # the loader would look in another shard
+    index["weight_map"][name] = next(s for s in shards if s != where)  # the loader would look in another shard
     (out / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(HeadMismatchError) as err:
         check_draft_model(out, target, tok)
@@ -207,8 +223,9 @@ def test_draft_model_config_must_describe_the_recorded_draft(draft_dir):
     (out / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 64}))
     with pytest.raises(HeadMismatchError) as err:
         check_draft_model(out, target, tok)
-    assert err.value.field == "head_config" and "max_position_embeddings: draftsmith.json 512, config.json 64" \
-        in str(err.value)
+    assert err.value.field == "head_config" and "max_position_embeddings: draftsmith.json 512, config.json 64" in str(
+        err.value
+    )
 
 
 # ----------------------------------------------------------------------------------------- recorded copies
@@ -232,8 +249,11 @@ def test_mlp_speculator_recorded_draft_vocab_must_be_its_vocab(tiny_llama, word_
     from draftsmith.drafters.mlp_speculator.head import MLPSpeculator, MLPSpeculatorConfig
 
     target, tok = tiny_llama(seed=3), word_tokenizer()
-    out = export_mlp_speculator(MLPSpeculator(MLPSpeculatorConfig.from_target(target.config, n_predict=2)),
-                                tmp_path / "mlp", target_identity(target, tok, "tiny"))
+    out = export_mlp_speculator(
+        MLPSpeculator(MLPSpeculatorConfig.from_target(target.config, n_predict=2)),
+        tmp_path / "mlp",
+        target_identity(target, tok, "tiny"),
+    )
     meta = json.loads((out / "draftsmith.json").read_text())
     meta["draft_vocab_size"] = 64
     (out / "draftsmith.json").write_text(json.dumps(meta))

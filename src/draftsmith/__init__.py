@@ -1,4 +1,5 @@
 """draftsmith: train speculative-decoding draft heads (EAGLE-3, MLP speculators, draft models) and serve them."""
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -11,6 +11,7 @@ system (a target folder, a head directory) run after parsing (``cli.check_args``
 (``draftsmith VERB: error: <problem>; <fix>``); ``cli.main`` and the scripts under ``bench/`` and
 ``reference/`` run through it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,7 +22,7 @@ import sys
 import traceback
 from typing import Callable
 
-TRACEBACK_ENV = "DRAFTSMITH_TRACEBACK"        #: set to 1 to print the traceback of an error (as -v does)
+TRACEBACK_ENV = "DRAFTSMITH_TRACEBACK"  #: set to 1 to print the traceback of an error (as -v does)
 #: dtype names ``models.load_causal_lm`` takes (its ``DTYPES`` and ``auto``; kept equal by a test).
 DTYPE_NAMES = ("float32", "bfloat16", "float16", "auto")
 
@@ -36,6 +37,7 @@ class ArgumentParser(argparse.ArgumentParser):
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer >= ``low``."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -44,6 +46,7 @@ def int_at_least(low: int) -> Callable[[str], int]:
         if value < low:
             raise argparse.ArgumentTypeError(f"{value} is below {low}; pass a whole number >= {low}")
         return value
+
     return parse
 
 
@@ -75,8 +78,9 @@ def port(text: str) -> int:
 def dtype(text: str) -> str:
     """An argparse type: a dtype name of ``DTYPE_NAMES``."""
     if text not in DTYPE_NAMES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a dtype draftsmith loads; pass one of "
-                                         f"{', '.join(DTYPE_NAMES)}")
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a dtype draftsmith loads; pass one of {', '.join(DTYPE_NAMES)}"
+        )
     return text
 
 
@@ -86,26 +90,30 @@ def json_object(text: str) -> dict:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg} at character {e.pos}); write an object in "
-                                         f"single quotes, e.g. '{{\"method\": \"ngram\", \"num_speculative_tokens\": "
-                                         f"4}}'") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not JSON ({e.msg} at character {e.pos}); write an object in "
+            f'single quotes, e.g. \'{{"method": "ngram", "num_speculative_tokens": '
+            f"4}}'"
+        ) from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is JSON but not an object; write {{\"method\": ..., "
-                                         f"\"num_speculative_tokens\": ...}}")
+        raise argparse.ArgumentTypeError(
+            f'{text!r} is JSON but not an object; write {{"method": ..., "num_speculative_tokens": ...}}'
+        )
     return value
 
 
 def drafter(text: str) -> tuple[str, dict]:
     """An argparse type for ``draftsmith eval --drafter LABEL=JSON``: (label, speculative config mapping)."""
     label, sep, raw = text.partition("=")
-    example = "LABEL='{\"method\": \"draft_model\", \"model\": DIR}'"
+    example = 'LABEL=\'{"method": "draft_model", "model": DIR}\''
     if not sep or not label.strip():
         raise argparse.ArgumentTypeError(f"{text!r} must look like {example}")
     try:
         spec = json.loads(raw)
     except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"{text!r}: the part after '=' is not JSON ({e.msg} at character "
-                                         f"{e.pos}); write it like {example}") from None
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: the part after '=' is not JSON ({e.msg} at character {e.pos}); write it like {example}"
+        ) from None
     if not isinstance(spec, dict):
         raise argparse.ArgumentTypeError(f"{text!r}: the part after '=' must be a JSON object, like {example}")
     return label.strip(), spec
@@ -121,12 +129,14 @@ def url(text: str) -> str:
 # --- the error boundary of every command line -------------------------------------------------------------------------
 
 #: Operating-system errors that reach the CLI without a message of ours: (problem, fix) by kind.
-OS_ERRORS = ((FileNotFoundError, "no such file or directory", "check the path"),
-             (PermissionError, "permission denied", "fix its permissions, or choose a path you can read and write"),
-             (IsADirectoryError, "is a directory where a file is expected", "pass the file"),
-             (NotADirectoryError, "is a file where a directory is expected", "pass a directory"),
-             (FileExistsError, "already exists", "remove it, or choose another path"))
-EXPECTED = (ValueError, OSError, KeyError)       # errors raised with a message for the user (by kind)
+OS_ERRORS = (
+    (FileNotFoundError, "no such file or directory", "check the path"),
+    (PermissionError, "permission denied", "fix its permissions, or choose a path you can read and write"),
+    (IsADirectoryError, "is a directory where a file is expected", "pass the file"),
+    (NotADirectoryError, "is a file where a directory is expected", "pass a directory"),
+    (FileExistsError, "already exists", "remove it, or choose another path"),
+)
+EXPECTED = (ValueError, OSError, KeyError)  # errors raised with a message for the user (by kind)
 
 
 def one_line(message: str) -> str:
@@ -156,7 +166,7 @@ def describe_error(error: BaseException) -> str:
     message = one_line(error.args[0] if isinstance(error, KeyError) and error.args else error)
     try:
         from safetensors import SafetensorError
-    except ImportError:                                       # pragma: no cover - safetensors is a dependency
+    except ImportError:  # pragma: no cover - safetensors is a dependency
         SafetensorError = ()
     if isinstance(error, SafetensorError):
         return f"a weights file is not valid safetensors ({message}); re-download it, or re-export it"
@@ -165,8 +175,9 @@ def describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {message} (rerun with -v or {TRACEBACK_ENV}=1 for the traceback)"
 
 
-def run_guarded(prog: str, fn: Callable[[], int | None], verbose: bool = False,
-                interrupted: str = "rerun the command") -> int:
+def run_guarded(
+    prog: str, fn: Callable[[], int | None], verbose: bool = False, interrupted: str = "rerun the command"
+) -> int:
     """Run ``fn()`` and return its status (None: 0). An exception ends as one line on stderr, ``PROG: error:
     <describe_error>``, status 1; Ctrl+C as ``PROG: interrupted (Ctrl+C); <interrupted>``, status 130. With
     ``verbose`` or ``DRAFTSMITH_TRACEBACK=1`` the traceback is printed first."""
@@ -179,7 +190,7 @@ def run_guarded(prog: str, fn: Callable[[], int | None], verbose: bool = False,
             traceback.print_exc()
         print(f"{prog}: interrupted (Ctrl+C); {interrupted}", file=sys.stderr)
         return 130
-    except Exception as e:                                    # the one boundary: never a bare traceback
+    except Exception as e:  # the one boundary: never a bare traceback
         if verbose:
             traceback.print_exc()
         print(f"{prog}: error: {describe_error(e)}", file=sys.stderr)

@@ -24,6 +24,7 @@ path and the fix by its kind. What can be checked without torch is checked befor
 (``config.read_config_data``), local targets, draft models and head directories (``draftsmith.sources``),
 the serving port.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,12 +39,16 @@ from draftsmith.reference import TASK_NAMES
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_RECIPE = PACKAGE_DIR / "recipes" / "reference" / "eagle3.yaml"
-TRACEBACK_ENV = arg.TRACEBACK_ENV               #: set to 1 to print the traceback of an error (as -v does)
+TRACEBACK_ENV = arg.TRACEBACK_ENV  #: set to 1 to print the traceback of an error (as -v does)
 #: After Ctrl+C: what rerunning a verb does.
-_TRAIN_RESUMES = ("rerun the same command: training resumes from its last checkpoint (written every "
-                  "train.ckpt_every steps)")
-RESUME = {"capture": "rerun the same command: finished shards are verified and kept, the capture resumes",
-          "train": _TRAIN_RESUMES, "demo": _TRAIN_RESUMES}
+_TRAIN_RESUMES = (
+    "rerun the same command: training resumes from its last checkpoint (written every train.ckpt_every steps)"
+)
+RESUME = {
+    "capture": "rerun the same command: finished shards are verified and kept, the capture resumes",
+    "train": _TRAIN_RESUMES,
+    "demo": _TRAIN_RESUMES,
+}
 
 
 def _recipe(args, check: bool = True):
@@ -71,8 +76,10 @@ def check_recipe_models(recipe, verb: str) -> None:
     from draftsmith.sources import check_model_source
 
     if recipe.target.dtype not in arg.DTYPE_NAMES:
-        raise ValueError(f"target.dtype {recipe.target.dtype!r} is not a dtype draftsmith loads; use one of "
-                         f"{', '.join(arg.DTYPE_NAMES)}")
+        raise ValueError(
+            f"target.dtype {recipe.target.dtype!r} is not a dtype draftsmith loads; use one of "
+            f"{', '.join(arg.DTYPE_NAMES)}"
+        )
     check_model_source(recipe.target.name_or_path, recipe.target.revision, role="target")
     if verb in ("train", "demo"):
         for role, name in recipe.drafter.models().items():
@@ -124,8 +131,14 @@ def cmd_check(args) -> int:
     from draftsmith.models import load_causal_lm
 
     target, tokenizer = load_causal_lm(args.target, args.revision, args.dtype, role="target")
-    report = check_export(args.head, target, tokenizer, args.target, allow_mismatch=tuple(args.allow_mismatch),
-                          tensor_parallel_size=args.tensor_parallel_size)
+    report = check_export(
+        args.head,
+        target,
+        tokenizer,
+        args.target,
+        allow_mismatch=tuple(args.allow_mismatch),
+        tensor_parallel_size=args.tensor_parallel_size,
+    )
     print(report.summary())
     if args.tensor_parallel_size:
         print(f"tensor parallel: head and target shard over {args.tensor_parallel_size} ranks")
@@ -148,18 +161,20 @@ def cmd_eval(args) -> int:
     recipe.target.name_or_path = args.target or recipe.target.name_or_path
     if args.tasks:
         recipe.eval.tasks = args.tasks
-    for label, spec in args.drafter:                    # parsed by arguments.drafter
+    for label, spec in args.drafter:  # parsed by arguments.drafter
         recipe.eval.drafters[label] = spec
-    if args.prompts_per_task is not None or not args.recipe:     # without a recipe: whole tasks
+    if args.prompts_per_task is not None or not args.recipe:  # without a recipe: whole tasks
         recipe.eval.prompts_per_task = args.prompts_per_task
     recipe.eval.max_new_tokens = args.max_new_tokens or recipe.eval.max_new_tokens
     check_recipe_models(recipe, "eval")
     head = Path(args.head) if args.head else None
     own = recipe.drafter.method
     if head is None and not args.methods and drafters.config_module(own).RULES.needs_model:
-        raise ValueError(f"method {own} needs a head directory (--head DIR): an exported {own} head, e.g. "
-                         f"{recipe.run_dir / 'head'} after `draftsmith train`; or pick other rows with --methods")
-    eval_rows(recipe, head, args.methods, args.k)        # every row is a valid speculative config, before loading
+        raise ValueError(
+            f"method {own} needs a head directory (--head DIR): an exported {own} head, e.g. "
+            f"{recipe.run_dir / 'head'} after `draftsmith train`; or pick other rows with --methods"
+        )
+    eval_rows(recipe, head, args.methods, args.k)  # every row is a valid speculative config, before loading
     report = run_eval(recipe, head, allow_mismatch=tuple(args.allow_mismatch), labels=args.methods, k=args.k)
     print(format_table(report))
     print(f"report: {recipe.run_dir / 'eval' / 'report.json'}")
@@ -171,16 +186,21 @@ def cmd_generate(args) -> int:
     from draftsmith.data_pipeline.chat import prompt_ids
     from draftsmith.serve.engine import Engine
 
-    engine = Engine.from_pretrained(args.target, args.speculative_config, allow_mismatch=args.allow_mismatch,
-                                    max_model_len=args.max_model_len)
+    engine = Engine.from_pretrained(
+        args.target, args.speculative_config, allow_mismatch=args.allow_mismatch, max_model_len=args.max_model_len
+    )
     ids = prompt_ids(engine.tokenizer, [{"role": "user", "content": args.prompt}])
-    gen = GenerationConfig(max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                           eos_token_ids=engine.eos_token_ids)
+    gen = GenerationConfig(
+        max_new_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, eos_token_ids=engine.eos_token_ids
+    )
     out = engine.generate(ids, gen)
     print(out.text)
     if out.stats is not None:
-        print(f"\n[{engine.spec.method}] τ={out.stats.acceptance_length:.2f} acceptance={out.stats.acceptance_rate:.1%} "
-              f"target forwards={out.num_target_forwards} tokens={len(out.tokens)}", file=sys.stderr)
+        print(
+            f"\n[{engine.spec.method}] τ={out.stats.acceptance_length:.2f} acceptance={out.stats.acceptance_rate:.1%} "
+            f"target forwards={out.num_target_forwards} tokens={len(out.tokens)}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -188,9 +208,15 @@ def cmd_serve(args) -> int:
     from draftsmith.serve.engine import Engine
     from draftsmith.serve.server import serve
 
-    engine = Engine.from_pretrained(args.target, args.speculative_config, dtype=args.dtype, revision=args.revision,
-                                    served_model_name=args.served_model_name, allow_mismatch=args.allow_mismatch,
-                                    max_model_len=args.max_model_len)
+    engine = Engine.from_pretrained(
+        args.target,
+        args.speculative_config,
+        dtype=args.dtype,
+        revision=args.revision,
+        served_model_name=args.served_model_name,
+        allow_mismatch=args.allow_mismatch,
+        max_model_len=args.max_model_len,
+    )
     serve(engine, host=args.host, port=args.port)
     return 0
 
@@ -215,40 +241,59 @@ def _add_recipe(p) -> None:
 def _verb(sub, name: str, help_: str) -> argparse.ArgumentParser:
     """A verb's sub-parser; ``-v`` works after the verb too (SUPPRESS keeps the top-level value otherwise)."""
     p = sub.add_parser(name, help=help_)
-    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                   help=f"INFO logging, and the traceback of an error (also: {TRACEBACK_ENV}=1)")
+    p.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"INFO logging, and the traceback of an error (also: {TRACEBACK_ENV}=1)",
+    )
     return p
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = arg.ArgumentParser(prog="draftsmith", description=__doc__.splitlines()[0])
-    parser.add_argument("-v", "--verbose", action="store_true",
-                        help=f"INFO logging, and the traceback of an error (also: {TRACEBACK_ENV}=1)")
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help=f"INFO logging, and the traceback of an error (also: {TRACEBACK_ENV}=1)",
+    )
     sub = parser.add_subparsers(dest="verb", required=True)
-    for name, fn, help_ in (("demo", cmd_demo, "run the main job end to end"),
-                            ("prepare", cmd_prepare, "build training conversations and the vocab map"),
-                            ("capture", cmd_capture, "capture the target's hidden states to offline shards"),
-                            ("train", cmd_train, "prepare, train and export the recipe's drafter (its method)")):
+    for name, fn, help_ in (
+        ("demo", cmd_demo, "run the main job end to end"),
+        ("prepare", cmd_prepare, "build training conversations and the vocab map"),
+        ("capture", cmd_capture, "capture the target's hidden states to offline shards"),
+        ("train", cmd_train, "prepare, train and export the recipe's drafter (its method)"),
+    ):
         p = _verb(sub, name, help_)
         _add_recipe(p)
         p.set_defaults(fn=fn)
-    p = _verb(sub, "export", "export a trained run's checkpoint (or a head, in other formats) as a head "
-                             "directory")
+    p = _verb(sub, "export", "export a trained run's checkpoint (or a head, in other formats) as a head directory")
     p.add_argument("run_dir", help="RUN_DIR (runs/NAME) or an exported head directory")
     p.add_argument("--out", required=True)
-    p.add_argument("--format", nargs="+", default=["all"],
-                   help="the drafter's formats, or all: draftsmith (always written); EAGLE-3 also vllm / sglang (the "
-                        "research config.json at DIR) and speculators (DIR/speculators, for `vllm serve`)")
+    p.add_argument(
+        "--format",
+        nargs="+",
+        default=["all"],
+        help="the drafter's formats, or all: draftsmith (always written); EAGLE-3 also vllm / sglang (the "
+        "research config.json at DIR) and speculators (DIR/speculators, for `vllm serve`)",
+    )
     p.set_defaults(fn=cmd_export)
     p = _verb(sub, "check", "check a head against a target; exit 1 on mismatch")
     p.add_argument("head")
     p.add_argument("--target", default="reference")
     p.add_argument("--revision", default=None)
     p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
-    p.add_argument("--tensor-parallel-size", type=arg.positive_int, default=None,
-                   help="also check sharding over N ranks")
-    p.add_argument("--dtype", default="float32", type=arg.dtype,
-                   help="the dtype the target will serve in (warns when the head was trained on another one)")
+    p.add_argument(
+        "--tensor-parallel-size", type=arg.positive_int, default=None, help="also check sharding over N ranks"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        type=arg.dtype,
+        help="the dtype the target will serve in (warns when the head was trained on another one)",
+    )
     p.set_defaults(fn=cmd_check)
     p = _verb(sub, "push", "upload a checked head directory to the Hugging Face Hub")
     p.add_argument("head")
@@ -261,45 +306,75 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default=None)
     p.add_argument("--head", default=None, help="an exported drafter directory (its row is labelled by its method)")
     p.add_argument("--target", default=None)
-    p.add_argument("--methods", nargs="+", default=None, metavar="ROW",
-                   help="rows to run, in this order: the head's method, eval.drafters labels, or drafter names "
-                        f"({', '.join(drafters.names())}) with their default model")
-    p.add_argument("--drafter", action="append", default=[], metavar="LABEL=JSON", type=arg.drafter,
-                   help="an extra row: a labelled speculative config, e.g. "
-                        "'distilled={\"method\": \"draft_model\", \"model\": \"runs/reference-draft-model/head\"}' "
-                        "(repeatable; added to the recipe's eval.drafters)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        metavar="ROW",
+        help="rows to run, in this order: the head's method, eval.drafters labels, or drafter names "
+        f"({', '.join(drafters.names())}) with their default model",
+    )
+    p.add_argument(
+        "--drafter",
+        action="append",
+        default=[],
+        metavar="LABEL=JSON",
+        type=arg.drafter,
+        help="an extra row: a labelled speculative config, e.g. "
+        '\'distilled={"method": "draft_model", "model": "runs/reference-draft-model/head"}\' '
+        "(repeatable; added to the recipe's eval.drafters)",
+    )
     p.add_argument("--tasks", nargs="+", default=None, choices=TASK_NAMES)
     p.add_argument("--k", type=arg.positive_int, default=None)
-    p.add_argument("--prompts-per-task", type=arg.positive_int, default=None,
-                   help="default: the recipe's eval.prompts_per_task (no --recipe: the whole task)")
+    p.add_argument(
+        "--prompts-per-task",
+        type=arg.positive_int,
+        default=None,
+        help="default: the recipe's eval.prompts_per_task (no --recipe: the whole task)",
+    )
     p.add_argument("--max-new-tokens", type=arg.positive_int, default=None)
-    p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD",
-                   help="target fields the head may differ in; logged and written into the eval report")
+    p.add_argument(
+        "--allow-mismatch",
+        nargs="*",
+        default=[],
+        metavar="FIELD",
+        help="target fields the head may differ in; logged and written into the eval report",
+    )
     p.set_defaults(fn=cmd_eval, overrides=[])
     p = _verb(sub, "generate", "decode one prompt, with or without speculation")
     p.add_argument("--target", default="reference")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--speculative-config", default=None, type=arg.json_object,
-                   help='JSON, as vLLM: {"method": "ngram", ...}')
+    p.add_argument(
+        "--speculative-config", default=None, type=arg.json_object, help='JSON, as vLLM: {"method": "ngram", ...}'
+    )
     p.add_argument("--max-tokens", type=arg.positive_int, default=128)
     p.add_argument("--temperature", type=arg.non_negative_float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
-    p.add_argument("--max-model-len", type=arg.positive_int, default=None,
-                   help="longest prompt + completion (memory plan)")
+    p.add_argument(
+        "--max-model-len", type=arg.positive_int, default=None, help="longest prompt + completion (memory plan)"
+    )
     p.set_defaults(fn=cmd_generate)
     p = _verb(sub, "serve", "OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)")
     p.add_argument("--target", default="reference")
-    p.add_argument("--speculative-config", default=None, type=arg.json_object,
-                   help='JSON with vLLM\'s keys: {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 5}')
+    p.add_argument(
+        "--speculative-config",
+        default=None,
+        type=arg.json_object,
+        help='JSON with vLLM\'s keys: {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 5}',
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=arg.port, default=8000)
     p.add_argument("--dtype", type=arg.dtype, default="float32", help=", ".join(arg.DTYPE_NAMES))
     p.add_argument("--revision", default=None)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
-    p.add_argument("--max-model-len", type=arg.positive_int, default=None,
-                   help="longest prompt + completion served (default: the target's max_position_embeddings)")
+    p.add_argument(
+        "--max-model-len",
+        type=arg.positive_int,
+        default=None,
+        help="longest prompt + completion served (default: the target's max_position_embeddings)",
+    )
     p.set_defaults(fn=cmd_serve)
     from draftsmith.evaluation.bench_config import build_parser as bench_parser
 
@@ -309,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # --- checks before dispatch (no torch) -----------------------------------------------------------------------
+
 
 def _read_recipe(args) -> None:
     """``args.recipe_data``: the recipe file (default: DEFAULT_RECIPE) read as YAML with the overrides applied.
@@ -327,10 +403,14 @@ def _check_export(args) -> None:
 
     run = Path(args.run_dir)
     if not is_head_dir(run) and not (run / "train" / "checkpoint" / "state.json").is_file():
-        what = "does not exist" if not run.exists() else "is neither an exported head (no draftsmith.json) nor a " \
-                                                          "trained run (no train/checkpoint/state.json)"
-        raise ModelSourceError(f"{args.run_dir!r} {what}; pass runs/NAME after `draftsmith train RECIPE`, or an "
-                               f"exported head directory")
+        what = (
+            "does not exist"
+            if not run.exists()
+            else "is neither an exported head (no draftsmith.json) nor a trained run (no train/checkpoint/state.json)"
+        )
+        raise ModelSourceError(
+            f"{args.run_dir!r} {what}; pass runs/NAME after `draftsmith train RECIPE`, or an exported head directory"
+        )
     if Path(args.out).exists() and not Path(args.out).is_dir():
         raise ValueError(f"--out {args.out!r} is a file; pass a directory path for the head")
 
@@ -353,8 +433,9 @@ def _check_push(args) -> None:
     try:
         validate_repo_id(args.repo_id)
     except HFValidationError:
-        raise ValueError(f"--repo-id {args.repo_id!r} is not a Hub repo id; pass ORG/NAME (letters, digits, "
-                         f"'-', '_', '.')") from None
+        raise ValueError(
+            f"--repo-id {args.repo_id!r} is not a Hub repo id; pass ORG/NAME (letters, digits, '-', '_', '.')"
+        ) from None
 
 
 def _check_eval(args) -> None:
@@ -381,8 +462,15 @@ def _check_bench(args) -> None:
     check_config(config_from_args(args))
 
 
-CHECKS = {"check": _check_head_and_target, "push": _check_push, "export": _check_export, "eval": _check_eval,
-          "generate": _check_engine, "serve": _check_engine, "bench": _check_bench}
+CHECKS = {
+    "check": _check_head_and_target,
+    "push": _check_push,
+    "export": _check_export,
+    "eval": _check_eval,
+    "generate": _check_engine,
+    "serve": _check_engine,
+    "bench": _check_bench,
+}
 
 
 def check_args(args) -> None:
@@ -406,29 +494,35 @@ def check_listen(host: str, port: int) -> None:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
-        raise ValueError(f"--host {host!r} does not resolve ({e.strerror}); pass an address such as 127.0.0.1 "
-                         f"(this machine) or 0.0.0.0 (every interface)") from None
+        raise ValueError(
+            f"--host {host!r} does not resolve ({e.strerror}); pass an address such as 127.0.0.1 "
+            f"(this machine) or 0.0.0.0 (every interface)"
+        ) from None
     with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)       # as uvicorn binds
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             probe.bind(address)
         except OSError as e:
-            raise ValueError(f"cannot listen on {host}:{port} ({e.strerror}); stop what holds the port, or pass "
-                             f"another --port") from None
+            raise ValueError(
+                f"cannot listen on {host}:{port} ({e.strerror}); stop what holds the port, or pass another --port"
+            ) from None
 
 
 def main(argv=None) -> int:
     """Parse, check (``check_args``), run the verb; any error ends as one line on stderr (module docstring,
     ``arguments.run_guarded``)."""
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
 
     def run() -> int:
         check_args(args)
         return args.fn(args)
-    return arg.run_guarded(f"draftsmith {args.verb}", run, verbose=args.verbose,
-                           interrupted=RESUME.get(args.verb, "rerun the command"))
+
+    return arg.run_guarded(
+        f"draftsmith {args.verb}", run, verbose=args.verbose, interrupted=RESUME.get(args.verb, "rerun the command")
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ missing file or a YAML syntax error before torch is imported. YAML 1.1 (PyYAML) 
 include ``"no"`` (``"off"``, ``"yes"``, ``"on"``) reads the boolean as that option; any other string field
 refuses it with the quoted fix.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -49,10 +50,14 @@ def _unquoted_scalar(value: Any, where: str, options: tuple = ()) -> ConfigError
     else:
         read, word = f"an unquoted number as {value!r}", str(value)
     if options:
-        return ConfigError(f"{where}: YAML read {read}; this key takes one of {', '.join(map(repr, options))}: "
-                           f"write one of them, e.g. {leaf}: {options[0]}")
-    return ConfigError(f"{where}: YAML read {read}, but this key takes a string; quote it, e.g. "
-                       f"{leaf}: \"{word}\" in the file, or {where}='\"{word}\"' as an override")
+        return ConfigError(
+            f"{where}: YAML read {read}; this key takes one of {', '.join(map(repr, options))}: "
+            f"write one of them, e.g. {leaf}: {options[0]}"
+        )
+    return ConfigError(
+        f"{where}: YAML read {read}, but this key takes a string; quote it, e.g. "
+        f'{leaf}: "{word}" in the file, or {where}=\'"{word}"\' as an override'
+    )
 
 
 def _boolean_option(value: bool, options: tuple) -> Any:
@@ -81,7 +86,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return None
         if isinstance(value, (bool, int, float)) and not any(a in (bool, int, float, Any) for a in args):
             texts = [a for a in args if _takes_strings(a)]
-            if texts:                                    # an unquoted no / 2024 for an optional string
+            if texts:  # an unquoted no / 2024 for an optional string
                 return _coerce(value, texts[0], where)
         errors = []
         for arg in args:
@@ -150,16 +155,20 @@ def from_dict(cls: type[T], data: dict, where: str = "") -> T:
     if odd:
         key = odd[0]
         word = "on/yes/true" if key is True else "off/no/false" if key is False else "number"
-        raise ConfigError(f"{where + ': ' if where else ''}YAML read the key {key!r} (an unquoted {word}) as "
-                          f"{type(key).__name__}, not a name; quote the key (e.g. \"on\": ...) or fix the "
-                          f"indentation")
+        raise ConfigError(
+            f"{where + ': ' if where else ''}YAML read the key {key!r} (an unquoted {word}) as "
+            f'{type(key).__name__}, not a name; quote the key (e.g. "on": ...) or fix the '
+            f"indentation"
+        )
     unknown = sorted(set(data) - set(types_))
     if unknown:
         prefix = where + "." if where else ""
         close = difflib.get_close_matches(unknown[0], list(types_), n=1)
-        raise ConfigError(f"unknown key(s) {', '.join(prefix + k for k in unknown)} for {cls.__name__}"
-                          + (f"; did you mean {prefix}{close[0]}?" if close else "")
-                          + f" known keys: {', '.join(sorted(types_))}")
+        raise ConfigError(
+            f"unknown key(s) {', '.join(prefix + k for k in unknown)} for {cls.__name__}"
+            + (f"; did you mean {prefix}{close[0]}?" if close else "")
+            + f" known keys: {', '.join(sorted(types_))}"
+        )
     kwargs = {k: _coerce(v, types_[k], f"{where}.{k}" if where else k) for k, v in data.items()}
     try:
         return cls(**kwargs)
@@ -185,8 +194,10 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node[parts[-1]] = yaml.safe_load(raw)
         except yaml.YAMLError as e:
             problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({problem}); quote it "
-                              f"({key}='\"{raw}\"') or close its brackets") from None
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({problem}); quote it "
+                f"({key}='\"{raw}\"') or close its brackets"
+            ) from None
     return data
 
 
@@ -198,18 +209,21 @@ def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if path.is_dir():
         inside = sorted(path.glob("*.yaml"))
-        raise ConfigError(f"{path} is a directory, not a YAML file; pass a file"
-                          + (f" such as {inside[0]}" if inside else ""))
+        raise ConfigError(
+            f"{path} is a directory, not a YAML file; pass a file" + (f" such as {inside[0]}" if inside else "")
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise ConfigError(f"{path} does not exist; check the path (shipped recipes: "
-                          f"{Path(__file__).resolve().parent / 'recipes'})") from None
+        raise ConfigError(
+            f"{path} does not exist; check the path (shipped recipes: {Path(__file__).resolve().parent / 'recipes'})"
+        ) from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8 YAML") from None
     except OSError as e:
-        raise ConfigError(f"{path} cannot be read ({e.strerror or e}); fix its permissions or pass a readable "
-                          f"copy") from None
+        raise ConfigError(
+            f"{path} cannot be read ({e.strerror or e}); fix its permissions or pass a readable copy"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
@@ -217,8 +231,10 @@ def read_yaml(path: str | Path) -> dict:
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{path}: a config file must hold a mapping at its top level (key: value lines), "
-                          f"got a {type(data).__name__}")
+        raise ConfigError(
+            f"{path}: a config file must hold a mapping at its top level (key: value lines), "
+            f"got a {type(data).__name__}"
+        )
     return data
 
 
@@ -226,13 +242,19 @@ def _yaml_problem(e: "yaml.YAMLError") -> str:
     """One line for a PyYAML error: where (1-based line, column), what, and the usual fixes."""
     mark, context_mark = getattr(e, "problem_mark", None), getattr(e, "context_mark", None)
     where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    context = (getattr(e, "context", None) or "").removeprefix("while ").removeprefix("parsing ").removeprefix(
-        "scanning ")
-    began = (f" ({context} began at line {context_mark.line + 1})"
-             if context and context_mark is not None and (mark is None or context_mark.line != mark.line) else "")
+    context = (
+        (getattr(e, "context", None) or "").removeprefix("while ").removeprefix("parsing ").removeprefix("scanning ")
+    )
+    began = (
+        f" ({context} began at line {context_mark.line + 1})"
+        if context and context_mark is not None and (mark is None or context_mark.line != mark.line)
+        else ""
+    )
     problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-    return (f"YAML syntax error at {where}{problem}{began}; fix that line: indent with spaces, close brackets and "
-            f"quotes, quote values that hold ': ' or ' #'")
+    return (
+        f"YAML syntax error at {where}{problem}{began}; fix that line: indent with spaces, close brackets and "
+        f"quotes, quote values that hold ': ' or ' #'"
+    )
 
 
 def read_config_data(path: str | Path | None = None, overrides: list[str] | None = None) -> dict:
@@ -254,6 +276,7 @@ def load_config(cls: type[T], path: str | Path | None = None, overrides: list[st
 
 def to_dict(cfg) -> dict:
     """Plain-data view of a config (Paths as strings), for logging and metadata."""
+
     def conv(v):
         if isinstance(v, Path):
             return str(v)
@@ -262,4 +285,5 @@ def to_dict(cfg) -> dict:
         if isinstance(v, dict):
             return {k: conv(x) for k, x in v.items()}
         return v
+
     return {k: conv(v) for k, v in dataclasses.asdict(cfg).items()}

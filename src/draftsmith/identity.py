@@ -22,6 +22,7 @@ A head only works on the target whose hidden states it learned, so an export rec
 Canonical JSON: ``json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)``
 encoded as UTF-8. Changing any of these definitions needs a new metadata ``format_version``.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -31,10 +32,23 @@ from typing import Any
 import torch
 
 # Config fields that change what the target computes (absent fields hash as null).
-ARCHITECTURE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                       "num_key_value_heads", "head_dim", "intermediate_size", "vocab_size", "hidden_act",
-                       "rms_norm_eps", "rope", "tie_word_embeddings", "attention_bias", "mlp_bias",
-                       "sliding_window")
+ARCHITECTURE_FIELDS = (
+    "model_type",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "intermediate_size",
+    "vocab_size",
+    "hidden_act",
+    "rms_norm_eps",
+    "rope",
+    "tie_word_embeddings",
+    "attention_bias",
+    "mlp_bias",
+    "sliding_window",
+)
 
 
 def canonical_json(obj: Any) -> bytes:
@@ -144,8 +158,9 @@ def target_dtype(model_or_config: Any) -> str | None:
     return None if name in (None, "", "auto") else name
 
 
-def target_identity(model_or_config: Any, tokenizer: Any = None, name_or_path: str | None = None,
-                    revision: str | None = None) -> dict:
+def target_identity(
+    model_or_config: Any, tokenizer: Any = None, name_or_path: str | None = None, revision: str | None = None
+) -> dict:
     """The identity record of a target (see module docstring); ``tokenizer`` may be None (hashes null).
 
     ``name_or_path`` and ``revision`` default to what the config itself records
@@ -157,7 +172,8 @@ def target_identity(model_or_config: Any, tokenizer: Any = None, name_or_path: s
     arch = architecture_fields(cfg)
     return {
         "name_or_path": name_or_path or cfg.get("_name_or_path") or None,
-        "revision": revision or cfg.get("_commit_hash")
+        "revision": revision
+        or cfg.get("_commit_hash")
         or getattr(getattr(model_or_config, "config", model_or_config), "_commit_hash", None),
         "architectures": list(architectures),
         "model_type": cfg.get("model_type"),

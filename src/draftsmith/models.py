@@ -3,6 +3,7 @@
 ``load_causal_lm("reference")`` gives the embedded target; ``load_causal_lm("meta-llama/Llama-3.1-8B-Instruct")``
 loads from the Hub (or a local folder) through transformers, like vLLM's ``--model``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -45,7 +46,6 @@ def resolve_model_dtype(name_or_path: str, dtype: str, revision: str | None = No
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join([*DTYPES, 'auto'])}; pass one of them")
     model_dtype = None
     if dtype == "auto":
-
         config = AutoConfig.from_pretrained(check_model_source(name_or_path, revision), revision=revision)
         model_dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
         if isinstance(model_dtype, str):
@@ -100,10 +100,14 @@ def _load_failure(error: BaseException) -> tuple[str | None, str]:
         if isinstance(e, RevisionNotFoundError):
             return "the Hub repo has no such revision", "check the revision (--revision / target.revision)"
         if isinstance(e, LocalEntryNotFoundError):
-            return ("the Hub cannot be reached and its files are not in the cache",
-                    "connect to the network, or pass a model folder or `reference`")
+            return (
+                "the Hub cannot be reached and its files are not in the cache",
+                "connect to the network, or pass a model folder or `reference`",
+            )
         if isinstance(e, SafetensorError):
             return f"a weights file is not valid safetensors ({e})", "re-download it, or re-export the model"
     if isinstance(error, (OSError, ValueError)):
-        return first.rstrip(" .:;"), "check the name and the folder's files, or pass another model folder or `reference`"
+        return first.rstrip(
+            " .:;"
+        ), "check the name and the folder's files, or pass another model folder or `reference`"
     return None, ""

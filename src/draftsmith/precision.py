@@ -21,6 +21,7 @@ Rules (``auto``):
 An explicit half-precision request on a device that emulates it is kept (the user may want the exact
 numerics) but warned about loudly, with the measured slowdown and the fix.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,9 +36,9 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FAST_RATIO = 2.0                    #: a dtype is fast when its matmul takes <= this x fp32's
-PROBE_SIZE = 384                    #: the probe multiplies [n, n] @ [n, 3n] matrices (the demo head's shapes)
-MIXED_PRECISION = ("auto", "no", "bf16", "fp16")        #: ``train.mixed_precision`` values (accelerate's + auto)
+FAST_RATIO = 2.0  #: a dtype is fast when its matmul takes <= this x fp32's
+PROBE_SIZE = 384  #: the probe multiplies [n, n] @ [n, 3n] matrices (the demo head's shapes)
+MIXED_PRECISION = ("auto", "no", "bf16", "fp16")  #: ``train.mixed_precision`` values (accelerate's + auto)
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -101,8 +102,10 @@ def cpu_description() -> str:
         pass
     half = sorted(f for f in flags if f in ("avx512_bf16", "amx_bf16", "avx512_fp16", "amx_fp16", "bf16"))
     capability = torch.backends.cpu.get_cpu_capability()
-    return (f"{name} ({platform.machine()}, torch capability {capability}, "
-            f"{'flags ' + ' '.join(half) if half else 'no bf16/fp16 flags'})")
+    return (
+        f"{name} ({platform.machine()}, torch capability {capability}, "
+        f"{'flags ' + ' '.join(half) if half else 'no bf16/fp16 flags'})"
+    )
 
 
 def _time_matmul(dtype: torch.dtype, n: int, repeats: int = 3) -> float:
@@ -128,9 +131,11 @@ def _cpu_speed(dtype_name: str) -> DtypeSpeed:
     half = _time_matmul(dtype, PROBE_SIZE)
     ratio = half / max(fp32, 1e-9)
     fast = ratio <= FAST_RATIO
-    reason = (f"{cpu_description()}: a {PROBE_SIZE}x{PROBE_SIZE} @ {PROBE_SIZE}x{3 * PROBE_SIZE} matmul took "
-              f"{half * 1e3:.2f} ms in {dtype_name} vs {fp32 * 1e3:.2f} ms in float32 ({ratio:.2f}x): "
-              f"{dtype_name} is {'native' if fast else 'emulated'} here")
+    reason = (
+        f"{cpu_description()}: a {PROBE_SIZE}x{PROBE_SIZE} @ {PROBE_SIZE}x{3 * PROBE_SIZE} matmul took "
+        f"{half * 1e3:.2f} ms in {dtype_name} vs {fp32 * 1e3:.2f} ms in float32 ({ratio:.2f}x): "
+        f"{dtype_name} is {'native' if fast else 'emulated'} here"
+    )
     logger.info("precision probe: %s", reason)
     return DtypeSpeed("cpu", dtype_name, fast, round(ratio, 3), reason)
 
@@ -151,8 +156,13 @@ def dtype_speed(dtype: torch.dtype | str, device: torch.device | str | None = No
     if device.type == "cuda":
         gpu = torch.cuda.get_device_name(device)
         fast = torch.cuda.is_bf16_supported() if name == "bfloat16" else True
-        return DtypeSpeed(str(device), name, fast, None, f"{gpu}: {name} "
-                          f"{'is supported' if fast else 'is not supported (compute capability < 8.0)'}")
+        return DtypeSpeed(
+            str(device),
+            name,
+            fast,
+            None,
+            f"{gpu}: {name} {'is supported' if fast else 'is not supported (compute capability < 8.0)'}",
+        )
     return DtypeSpeed(str(device), name, False, None, f"{device.type}: half precision is not probed; float32 chosen")
 
 
@@ -176,8 +186,9 @@ def dtype_name(dtype: torch.dtype | str) -> str:
 
 def _slow_warning(what: str, speed: DtypeSpeed, fix: str) -> str:
     slowdown = f" ~{speed.ratio:.0f}x slower than float32" if speed.ratio else ""
-    return (f"{what} asks for {speed.dtype}, which this device emulates ({speed.reason}); it will run{slowdown}. "
-            f"Fix: {fix}")
+    return (
+        f"{what} asks for {speed.dtype}, which this device emulates ({speed.reason}); it will run{slowdown}. Fix: {fix}"
+    )
 
 
 def resolve_mixed_precision(requested: str, device: torch.device | str | None = None) -> PrecisionChoice:
@@ -197,16 +208,23 @@ def resolve_mixed_precision(requested: str, device: torch.device | str | None = 
         value = "bf16" if speed.fast else "no"
         return PrecisionChoice("auto", value, f"auto -> {'bf16' if speed.fast else 'fp32'}: {speed.reason}")
     if not speed.fast:
-        message = _slow_warning(f"train.mixed_precision: {requested}", speed,
-                                "set train.mixed_precision: auto (or no) to train in fp32 on this machine")
+        message = _slow_warning(
+            f"train.mixed_precision: {requested}",
+            speed,
+            "set train.mixed_precision: auto (or no) to train in fp32 on this machine",
+        )
         logger.warning("%s", message)
         warnings.warn(message, SlowPrecisionWarning, stacklevel=2)
         return PrecisionChoice(requested, requested, message, slowdown=speed.ratio)
     return PrecisionChoice(requested, requested, f"{requested} as asked: {speed.reason}")
 
 
-def resolve_dtype(requested: str | torch.dtype, device: torch.device | str | None = None,
-                  model_dtype: torch.dtype | str | None = None, what: str = "dtype") -> tuple[torch.dtype, str]:
+def resolve_dtype(
+    requested: str | torch.dtype,
+    device: torch.device | str | None = None,
+    model_dtype: torch.dtype | str | None = None,
+    what: str = "dtype",
+) -> tuple[torch.dtype, str]:
     """A model's weight dtype (``target.dtype``, ``--dtype``) -> (torch dtype, reason).
 
     ``auto``: ``model_dtype`` (the config's ``torch_dtype``; float32 when unknown) where it is fast on
@@ -235,6 +253,10 @@ def resolve_dtype(requested: str | torch.dtype, device: torch.device | str | Non
 def machine_record() -> dict:
     """What a timing was measured on: CPU, torch version and threads, GPU (if any), and whether bf16 is native."""
     cuda = torch.cuda.is_available()
-    return {"cpu": cpu_description(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "gpu": torch.cuda.get_device_name(0) if cuda else None,
-            "bf16": dtype_speed(torch.bfloat16, default_device()).as_dict()}
+    return {
+        "cpu": cpu_description(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "bf16": dtype_speed(torch.bfloat16, default_device()).as_dict(),
+    }

@@ -2,6 +2,7 @@
 
 Shared by ``serve.memory`` (the plan) and the drafters (their own items, ``Drafter.memory``).
 """
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,20 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-                            "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_SAFETENSORS_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+}
 
 
 def free_memory_bytes(device: str | torch.device) -> int:
@@ -34,7 +47,7 @@ def free_memory_bytes(device: str | torch.device) -> int:
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024            # kB
+                return int(line.split()[1]) * 1024  # kB
     except OSError:
         pass
     raise RuntimeError("cannot read free CPU memory (install psutil)")

@@ -15,6 +15,7 @@ length N, N bytes of JSON ``{name: {dtype, shape, data_offsets: [begin, end]}}``
 end exactly where the largest ``end`` says; huggingface/safetensors ``docs/source/index.mdx``), so a
 truncated download is reported by name instead of as "incomplete metadata, file not fully covered".
 """
+
 from __future__ import annotations
 
 import json
@@ -42,8 +43,9 @@ def _check_json_object(path: Path, label: str, fix: str) -> None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
-        raise ModelSourceError(f"{label}: {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); "
-                               f"{fix}") from None
+        raise ModelSourceError(
+            f"{label}: {path} is not valid JSON ({e.msg} at line {e.lineno}, column {e.colno}); {fix}"
+        ) from None
     except UnicodeDecodeError:
         raise ModelSourceError(f"{label}: {path} is not UTF-8 text; {fix}") from None
     except OSError as e:
@@ -59,8 +61,11 @@ def is_head_dir(path: str | Path) -> bool:
     return path.is_dir() and ((path / METADATA_FILE).is_file() or (path.parent / METADATA_FILE).is_file())
 
 
-def check_head_dir(path: str | Path, role: str = "head", hint: str = "export one with `draftsmith train RECIPE` "
-                   "(runs/NAME/head) or `draftsmith export RUN_DIR --out DIR`") -> Path:
+def check_head_dir(
+    path: str | Path,
+    role: str = "head",
+    hint: str = "export one with `draftsmith train RECIPE` (runs/NAME/head) or `draftsmith export RUN_DIR --out DIR`",
+) -> Path:
     """``path`` as a Path when it is an exported head directory (``is_head_dir``).
 
     Raises:
@@ -71,8 +76,9 @@ def check_head_dir(path: str | Path, role: str = "head", hint: str = "export one
     if not p.exists():
         raise ModelSourceError(f"{_named(role, path)} does not exist; pass an exported head directory, or {hint}")
     if not p.is_dir():
-        raise ModelSourceError(f"{_named(role, path)} is a file, not a head directory; pass the directory that "
-                               f"holds {METADATA_FILE}")
+        raise ModelSourceError(
+            f"{_named(role, path)} is a file, not a head directory; pass the directory that holds {METADATA_FILE}"
+        )
     if not is_head_dir(p):
         raise ModelSourceError(f"{_named(role, path)} is not an exported head (no {METADATA_FILE}); {hint}")
     meta = p / METADATA_FILE if (p / METADATA_FILE).is_file() else p.parent / METADATA_FILE
@@ -95,16 +101,19 @@ def check_safetensors_file(path: str | Path, role: str = "model") -> None:
             first = f.read(8)
             n = int.from_bytes(first, "little") if len(first) == 8 else -1
             if n < 0 or n > min(size - 8, MAX_SAFETENSORS_HEADER):
-                raise ModelSourceError(f"{role}: {path} is truncated or not a safetensors file ({size} bytes, "
-                                       f"too short for its header); {fix}")
+                raise ModelSourceError(
+                    f"{role}: {path} is truncated or not a safetensors file ({size} bytes, "
+                    f"too short for its header); {fix}"
+                )
             header = json.loads(f.read(n))
         ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         raise ModelSourceError(f"{role}: {path} has a corrupted safetensors header; {fix}") from None
     expected = 8 + n + max(ends, default=0)
     if size < expected:
-        raise ModelSourceError(f"{role}: {path} is truncated ({size} bytes on disk, its header describes "
-                               f"{expected}); {fix}")
+        raise ModelSourceError(
+            f"{role}: {path} is truncated ({size} bytes on disk, its header describes {expected}); {fix}"
+        )
     if size > expected:
         raise ModelSourceError(f"{role}: {path} has {size - expected} bytes past its last tensor (corrupted); {fix}")
 
@@ -115,8 +124,10 @@ def check_model_folder(folder: str | Path, role: str = "model", name: Any = None
     folder = Path(folder)
     label = _named(role, name if name is not None else folder)
     if not (folder / "config.json").is_file():
-        raise ModelSourceError(f"{label} is a folder without config.json, not a transformers model; pass the folder "
-                               f"that holds config.json and the weights")
+        raise ModelSourceError(
+            f"{label} is a folder without config.json, not a transformers model; pass the folder "
+            f"that holds config.json and the weights"
+        )
     _check_json_object(folder / "config.json", label, "re-download the model, or re-export it")
     for index in folder.glob("*.safetensors.index.json"):
         try:
@@ -125,13 +136,17 @@ def check_model_folder(folder: str | Path, role: str = "model", name: Any = None
             raise ModelSourceError(f"{label}: {index} is not a readable safetensors index; re-download it") from None
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
-            raise ModelSourceError(f"{label}: {index.name} names {len(missing)} shard(s) not in the folder "
-                                   f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); finish the "
-                                   f"download")
+            raise ModelSourceError(
+                f"{label}: {index.name} names {len(missing)} shard(s) not in the folder "
+                f"({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); finish the "
+                f"download"
+            )
     weights = sorted(folder.glob("*.safetensors"))
     if not weights and not any(folder.glob("*.bin")):
-        raise ModelSourceError(f"{label} holds config.json but no weights (model.safetensors or pytorch_model.bin); "
-                               f"finish the download, or pass the folder that holds the weights")
+        raise ModelSourceError(
+            f"{label} holds config.json but no weights (model.safetensors or pytorch_model.bin); "
+            f"finish the download, or pass the folder that holds the weights"
+        )
     for file in weights:
         check_safetensors_file(file, label)
 
@@ -164,20 +179,24 @@ def check_model_source(name_or_path: str | Path, revision: str | None = None, ro
     path = Path(reference.resolve(name))
     if path.exists():
         if not path.is_dir():
-            raise ModelSourceError(f"{_named(role, name)} is a file, not a model folder; pass the folder that holds "
-                                   f"config.json and the weights")
+            raise ModelSourceError(
+                f"{_named(role, name)} is a file, not a model folder; pass the folder that holds "
+                f"config.json and the weights"
+            )
         check_model_folder(path, role, name)
         return str(path)
     problem = _hub_problem(name)
     if problem is not None:
-        raise ModelSourceError(f"{_named(role, name)} is neither a local folder nor a Hub id ({problem}); pass a "
-                               f"model folder or `reference`")
+        raise ModelSourceError(
+            f"{_named(role, name)} is neither a local folder nor a Hub id ({problem}); pass a "
+            f"model folder or `reference`"
+        )
     if constants.is_offline_mode():
         cached = try_to_load_from_cache(name, "config.json", revision=revision)
         if not isinstance(cached, str):
-            raise ModelSourceError(f"{_named(role, name)} is neither a local folder nor a Hub id reachable offline "
-                                   f"(HF_HUB_OFFLINE=1): pass a model folder or `reference`")
+            raise ModelSourceError(
+                f"{_named(role, name)} is neither a local folder nor a Hub id reachable offline "
+                f"(HF_HUB_OFFLINE=1): pass a model folder or `reference`"
+            )
         check_model_folder(Path(cached).parent, role, name)
     return name
-
-

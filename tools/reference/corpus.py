@@ -6,6 +6,7 @@ that ship in ``src/draftsmith/reference/tasks``.
 
 Run: ``python tools/reference/corpus.py --out .cache/reference/corpus [--tasks-out DIR]``.
 """
+
 from __future__ import annotations
 
 import json
@@ -48,11 +49,24 @@ def build(out: Path, tasks_out: Path | None, seed: int = 0, prompts_per_task: in
     _write_jsonl(out / "train_chat.jsonl", train_chat)
     _write_jsonl(out / "heldout_chat.jsonl", held_chat)
     manifest = {
-        "seed": seed, "heldout_percent": HELDOUT_PERCENT,
-        "files": [{"module": s.module, "path": s.relpath, "bytes": len(s.text.encode()), "sha256": s.sha256,
-                   "split": "heldout" if is_heldout(s.module) else "train"} for s in std],
-        "counts": {"train_modules": len(train), "heldout_modules": len(held),
-                   "train_chat": len(train_chat), "heldout_chat": len(held_chat)},
+        "seed": seed,
+        "heldout_percent": HELDOUT_PERCENT,
+        "files": [
+            {
+                "module": s.module,
+                "path": s.relpath,
+                "bytes": len(s.text.encode()),
+                "sha256": s.sha256,
+                "split": "heldout" if is_heldout(s.module) else "train",
+            }
+            for s in std
+        ],
+        "counts": {
+            "train_modules": len(train),
+            "heldout_modules": len(held),
+            "train_chat": len(train_chat),
+            "heldout_chat": len(held_chat),
+        },
     }
     if tasks_out is not None:
         manifest["tasks"] = write_tasks(tasks_out, held_chat, seed, prompts_per_task)
@@ -70,9 +84,16 @@ def write_tasks(tasks_out: Path, held_chat: list[dict], seed: int, n: int) -> di
     for task, pool in pools.items():
         rng = random.Random(f"{seed}-{task}")
         picked = rng.sample(pool, min(n, len(pool)))
-        records = [{"id": f"{task}-{i:03d}", "task": task, "messages": r["messages"][:1],
-                    "reference": r["messages"][1]["content"], "provenance": r["provenance"]}
-                   for i, r in enumerate(picked)]
+        records = [
+            {
+                "id": f"{task}-{i:03d}",
+                "task": task,
+                "messages": r["messages"][:1],
+                "reference": r["messages"][1]["content"],
+                "provenance": r["provenance"],
+            }
+            for i, r in enumerate(picked)
+        ]
         _write_jsonl(tasks_out / f"{task}.jsonl", records)
         counts[task] = len(records)
     return counts
@@ -90,4 +111,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python tools/reference/corpus.py", main))   # one line per error
+    raise SystemExit(run_guarded("python tools/reference/corpus.py", main))  # one line per error

@@ -9,6 +9,7 @@ Printed as JSON (these are the figures REPRODUCE.md and the reference issue repo
 
 Run: ``python tools/reference/measure.py [--threads 2] [--repeats 40] [--prompts 64]``.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,17 +44,16 @@ def forward_cost(model, context: int = 256, new_tokens=(1, 6), repeats: int = 40
 
 
 def distinct_4gram(tokens: list[int]) -> float:
-    grams = [tuple(tokens[i:i + 4]) for i in range(len(tokens) - 3)]
+    grams = [tuple(tokens[i : i + 4]) for i in range(len(tokens) - 3)]
     return len(set(grams)) / max(1, len(grams))
 
 
 def diversity(model, tokenizer, prompts: int, new_tokens: int) -> float:
     """Mean distinct-4-gram fraction of greedy continuations on the code-complete task."""
     target = TargetModel(model)
-    cfg = GenerationConfig(max_new_tokens=new_tokens)   # no EOS: measure the full continuation
+    cfg = GenerationConfig(max_new_tokens=new_tokens)  # no EOS: measure the full continuation
     records = reference.tasks(["code-complete"])["code-complete"][:prompts]
-    scores = [distinct_4gram(generate_plain(target, prompt_ids(tokenizer, r["messages"]), cfg).tokens)
-              for r in records]
+    scores = [distinct_4gram(generate_plain(target, prompt_ids(tokenizer, r["messages"]), cfg).tokens) for r in records]
     return sum(scores) / len(scores)
 
 
@@ -70,10 +70,14 @@ def main(argv=None) -> None:
     cost = forward_cost(target, repeats=a.repeats)
     draft_cost = forward_cost(draft, repeats=a.repeats)
     out = {
-        "params": {"target": sum(p.numel() for p in target.parameters()),
-                   "draft": sum(p.numel() for p in draft.parameters())},
+        "params": {
+            "target": sum(p.numel() for p in target.parameters()),
+            "draft": sum(p.numel() for p in draft.parameters()),
+        },
         "threads": a.threads,
-        "forward_ms_1": cost[1] * 1e3, "forward_ms_6": cost[6] * 1e3, "ratio_6_vs_1": cost[6] / cost[1],
+        "forward_ms_1": cost[1] * 1e3,
+        "forward_ms_6": cost[6] * 1e3,
+        "ratio_6_vs_1": cost[6] / cost[1],
         "draft_forward_ms_1": draft_cost[1] * 1e3,
         "distinct_4gram_code_complete": diversity(target, tok, a.prompts, a.new_tokens),
     }
@@ -81,4 +85,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python tools/reference/measure.py", main))   # one line per error
+    raise SystemExit(run_guarded("python tools/reference/measure.py", main))  # one line per error

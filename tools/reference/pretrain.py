@@ -13,6 +13,7 @@ Steps:
 Run (exact commands in reference/REPRODUCE.md):
   python tools/reference/pretrain.py tools/reference/pretrain_target.yaml
 """
+
 from __future__ import annotations
 
 import json
@@ -68,7 +69,7 @@ class PretrainConfig:
     eval_chat_examples: int = 200
     ckpt_every: int = 100
     threads: int = 2
-    mixed_precision: str = "auto"          #: draftsmith.precision rule: bf16 where native (measured), else fp32
+    mixed_precision: str = "auto"  #: draftsmith.precision rule: bf16 where native (measured), else fp32
 
 
 def build_streams(cfg: PretrainConfig, tokenizer) -> dict[str, np.ndarray]:
@@ -87,7 +88,7 @@ def build_streams(cfg: PretrainConfig, tokenizer) -> dict[str, np.ndarray]:
     for name, texts in (("train", docs), ("heldout_code", held)):
         ids = []
         for batch_start in tqdm(range(0, len(texts), 512), desc=f"tokenize {name}"):
-            for enc in tokenizer(texts[batch_start:batch_start + 512], add_special_tokens=False)["input_ids"]:
+            for enc in tokenizer(texts[batch_start : batch_start + 512], add_special_tokens=False)["input_ids"]:
                 ids.extend(enc + [eot])
         arr = np.asarray(ids, dtype=np.uint16)
         np.save(data_dir / f"{name}.npy", arr)
@@ -99,7 +100,7 @@ def batch_at(stream: np.ndarray, step: int, cfg: PretrainConfig) -> torch.Tensor
     """The batch of step ``step``: [batch_size, seq_len] int64 windows, a pure function of (seed, step)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     starts = torch.randint(0, len(stream) - cfg.seq_len, (cfg.batch_size,), generator=g)
-    return torch.stack([torch.from_numpy(stream[s:s + cfg.seq_len].astype(np.int64)) for s in starts.tolist()])
+    return torch.stack([torch.from_numpy(stream[s : s + cfg.seq_len].astype(np.int64)) for s in starts.tolist()])
 
 
 def lr_at(step: int, cfg: PretrainConfig) -> float:
@@ -119,7 +120,7 @@ def evaluate(model, tokenizer, streams, cfg: PretrainConfig, accelerator) -> dic
     losses = []
     for i in range(n):
         start = i * (len(code) - cfg.seq_len) // max(1, n - 1)
-        x = torch.from_numpy(code[start:start + cfg.seq_len].astype(np.int64))[None]
+        x = torch.from_numpy(code[start : start + cfg.seq_len].astype(np.int64))[None]
         with accelerator.autocast():
             losses.append(model(input_ids=x, labels=x).loss.float().item())
     chats = [json.loads(l)["messages"] for l in (cfg.corpus_dir / "heldout_chat.jsonl").open()]
@@ -136,9 +137,13 @@ def evaluate(model, tokenizer, streams, cfg: PretrainConfig, accelerator) -> dic
     model.train()
     code_loss = float(np.mean(losses))
     chat_loss = tot / max(1, cnt)
-    return {"heldout_code_loss": code_loss, "heldout_code_ppl": math.exp(code_loss),
-            "heldout_chat_answer_loss": chat_loss, "heldout_chat_answer_ppl": math.exp(chat_loss),
-            "chat_answer_tokens": cnt}
+    return {
+        "heldout_code_loss": code_loss,
+        "heldout_code_ppl": math.exp(code_loss),
+        "heldout_chat_answer_loss": chat_loss,
+        "heldout_chat_answer_ppl": math.exp(chat_loss),
+        "chat_answer_tokens": cnt,
+    }
 
 
 def build_model(cfg: PretrainConfig, tokenizer):
@@ -147,11 +152,18 @@ def build_model(cfg: PretrainConfig, tokenizer):
 
     m = cfg.model
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=m.hidden_size, num_hidden_layers=m.num_hidden_layers,
-        intermediate_size=m.intermediate_size, num_attention_heads=m.num_attention_heads,
-        num_key_value_heads=m.num_key_value_heads, max_position_embeddings=m.max_position_embeddings,
-        rope_theta=m.rope_theta, tie_word_embeddings=True, bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=m.hidden_size,
+        num_hidden_layers=m.num_hidden_layers,
+        intermediate_size=m.intermediate_size,
+        num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_key_value_heads,
+        max_position_embeddings=m.max_position_embeddings,
+        rope_theta=m.rope_theta,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(cfg.seed)
     return LlamaForCausalLM(config)
@@ -179,8 +191,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
         accelerator.print(f"resumed from {ckpt} at step {start}")
     model, opt = accelerator.prepare(model, opt)
     n_params = sum(p.numel() for p in model.parameters())
-    accelerator.print(f"{n_params / 1e6:.2f}M parameters, {len(streams['train']) / 1e6:.2f}M train tokens, "
-                      f"precision {precision}")
+    accelerator.print(
+        f"{n_params / 1e6:.2f}M parameters, {len(streams['train']) / 1e6:.2f}M train tokens, precision {precision}"
+    )
     bar = tqdm(range(start, cfg.steps), initial=start, total=cfg.steps, disable=not accelerator.is_main_process)
     t0, tokens = time.time(), 0
     for step in bar:
@@ -201,8 +214,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
             log.append({"step": done, "train_loss": loss.item(), **metrics})
             accelerator.print(json.dumps(log[-1]))
         if done % cfg.ckpt_every == 0 or done == cfg.steps:
-            save_checkpoint(ckpt, accelerator.unwrap_model(model), opt, step=done,
-                            extra={"log": log, "config": to_dict(cfg)})
+            save_checkpoint(
+                ckpt, accelerator.unwrap_model(model), opt, step=done, extra={"log": log, "config": to_dict(cfg)}
+            )
     final = log[-1] if log else evaluate(model, tokenizer, streams, cfg, accelerator)
     export_model(accelerator.unwrap_model(model), tokenizer, cfg.out_dir / "model")
     (cfg.out_dir / "metrics.json").write_text(json.dumps({"params": n_params, "log": log, "final": final}, indent=1))
@@ -219,6 +233,7 @@ def export_model(model, tokenizer, out: Path) -> None:
     model.float()
     if out.exists():
         import shutil
+
         shutil.rmtree(out)
     tmp.rename(out)
 
@@ -238,8 +253,12 @@ def main(argv=None) -> None:
     p = ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("config", type=Path)
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. steps=100")
-    p.add_argument("--export-checkpoint", type=Path, default=None,
-                   help="only write the latest checkpoint as a model directory at this path")
+    p.add_argument(
+        "--export-checkpoint",
+        type=Path,
+        default=None,
+        help="only write the latest checkpoint as a model directory at this path",
+    )
     a = p.parse_args(argv)
     cfg = load_config(PretrainConfig, a.config, a.overrides)
     if a.export_checkpoint:
@@ -249,4 +268,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python tools/reference/pretrain.py", main))   # one line per error
+    raise SystemExit(run_guarded("python tools/reference/pretrain.py", main))  # one line per error

@@ -5,6 +5,7 @@ and saved as a transformers fast tokenizer, loadable offline with ``AutoTokenize
 
 Run: ``python tools/reference/tokenizer.py --corpus .cache/reference/corpus --out DIR``.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,22 @@ def train_tokenizer(corpus: Path, out: Path, vocab_size: int = 8192) -> PreTrain
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, min_frequency=2,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(_texts(corpus), trainer=trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token=None, bos_token=None, model_max_length=2048)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token=None,
+        bos_token=None,
+        model_max_length=2048,
+    )
     fast.chat_template = CHAT_TEMPLATE
     out.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(out)
@@ -52,4 +64,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_guarded("python tools/reference/tokenizer.py", main))   # one line per error
+    raise SystemExit(run_guarded("python tools/reference/tokenizer.py", main))  # one line per error

@@ -6,10 +6,12 @@ transformers) is not. vLLM numbers them the same way (``vllm/model_executor/mode
 SGLang one lower. Imported by the core (``core/target.py``), the capture (``data_pipeline/capture.py``) and
 drafter configs, which must refuse bad ids before any model loads.
 """
+
 from __future__ import annotations
 
 #: how ids are numbered, recorded next to them in every export and capture manifest (never a bare list)
 AUX_LAYER_CONVENTION = "hf_hidden_states_index"
+
 
 def aux_layer_order_problem(aux_layer_ids) -> str | None:
     """Why ``aux_layer_ids`` cannot be served as the fc's input order, or None when they can.
@@ -30,10 +32,12 @@ def aux_layer_order_problem(aux_layer_ids) -> str | None:
     if all(a < b for a, b in zip(ids, ids[1:])):
         return None
     fix = sorted(set(ids))
-    return (f"aux_layer_ids {ids} are not strictly ascending: vLLM and SGLang concatenate the aux hidden states "
-            f"in layer order ({', '.join(map(str, fix))}) whatever the list's order and capture a repeated layer "
-            f"once, so the fc would receive its features in another order. Fix: write them ascending, "
-            f"{fix}{' (three distinct layers)' if len(fix) != len(ids) else ''}, and train the head on that order")
+    return (
+        f"aux_layer_ids {ids} are not strictly ascending: vLLM and SGLang concatenate the aux hidden states "
+        f"in layer order ({', '.join(map(str, fix))}) whatever the list's order and capture a repeated layer "
+        f"once, so the fc would receive its features in another order. Fix: write them ascending, "
+        f"{fix}{' (three distinct layers)' if len(fix) != len(ids) else ''}, and train the head on that order"
+    )
 
 
 def check_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> tuple[int, ...]:
@@ -43,9 +47,11 @@ def check_aux_layer_ids(aux_layer_ids, num_hidden_layers: int) -> tuple[int, ...
     Raises ValueError naming the ids and the fix."""
     ids = tuple(int(i) for i in aux_layer_ids)
     if not ids or not all(0 <= i < num_hidden_layers for i in ids):
-        raise ValueError(f"aux_layer_ids {ids} must be HF hidden-state indices in 0..{num_hidden_layers - 1} (inputs "
-                         f"of decoder layers; index {num_hidden_layers} is the final normed output) for this "
-                         f"{num_hidden_layers}-layer target")
+        raise ValueError(
+            f"aux_layer_ids {ids} must be HF hidden-state indices in 0..{num_hidden_layers - 1} (inputs "
+            f"of decoder layers; index {num_hidden_layers} is the final normed output) for this "
+            f"{num_hidden_layers}-layer target"
+        )
     if (problem := aux_layer_order_problem(ids)) is not None:
         raise ValueError(problem)
     return ids

@@ -18,6 +18,7 @@ Facts about transformers 5.24 this adapter relies on (read in ``transformers/cac
 
 Run the tests: ``python -m pytest tests/test_cache.py -q``.
 """
+
 from __future__ import annotations
 
 from transformers import DynamicCache
@@ -56,8 +57,10 @@ class KVCache:
         if not 0 <= length <= current:
             raise ValueError(f"cannot crop a KV cache of {current} tokens to length {length}")
         if length < current and not self.hf.is_croppable:
-            raise RuntimeError("this model's cache (linear-attention / recurrent layers) cannot be rolled back; "
-                               "the speculative runtime supports attention-only targets and drafts")
+            raise RuntimeError(
+                "this model's cache (linear-attention / recurrent layers) cannot be rolled back; "
+                "the speculative runtime supports attention-only targets and drafts"
+            )
         # transformers >= 5.2x: crop(-n) drops the last n tokens; crop(0) re-trims sliding windows.
         self.hf.crop(-(current - length))
 

@@ -12,6 +12,7 @@ next verify pass:
 Greedy speculative output is token-identical to ``generate_plain`` greedy output (up to float
 rounding between batched and one-token forwards); sampled output follows the same distribution.
 """
+
 from __future__ import annotations
 
 import time
@@ -106,11 +107,13 @@ class SpecStats:
         """Sum of two runs' counters (per-position lists padded to the longer k)."""
         k = max(self.k, other.k)
         pad = lambda xs: list(xs) + [0] * (k - len(xs))  # noqa: E731
-        return SpecStats(k=k, num_drafts=self.num_drafts + other.num_drafts,
-                         num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
-                         num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
-                         accepted_per_pos=[a + b for a, b in zip(pad(self.accepted_per_pos),
-                                                                  pad(other.accepted_per_pos))])
+        return SpecStats(
+            k=k,
+            num_drafts=self.num_drafts + other.num_drafts,
+            num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
+            accepted_per_pos=[a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+        )
 
     @property
     def acceptance_rate(self) -> float:
@@ -157,9 +160,11 @@ def _check_length(target: TargetModel, prompt: torch.Tensor, cfg: GenerationConf
     key, limit = target.position_limit
     n = prompt.numel()
     if n + cfg.max_new_tokens > limit:
-        raise ValueError(f"prompt ({n} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {n + cfg.max_new_tokens} "
-                         f"exceeds the target's {key} ({limit}); shorten the prompt or set max_new_tokens <= "
-                         f"{max(limit - n, 0)}")
+        raise ValueError(
+            f"prompt ({n} tokens) + max_new_tokens ({cfg.max_new_tokens}) = {n + cfg.max_new_tokens} "
+            f"exceeds the target's {key} ({limit}); shorten the prompt or set max_new_tokens <= "
+            f"{max(limit - n, 0)}"
+        )
 
 
 def _generator(cfg: GenerationConfig, device: torch.device) -> torch.Generator:
@@ -204,8 +209,9 @@ class _Output:
         return self.finish_reason is not None
 
 
-def generate_plain(target: TargetModel, prompt_ids, cfg: GenerationConfig,
-                   on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+def generate_plain(
+    target: TargetModel, prompt_ids, cfg: GenerationConfig, on_tokens: Callable[[list[int]], None] | None = None
+) -> GenerationResult:
     """Plain autoregressive decoding with a KV cache: one target forward per emitted token.
 
     Args:
@@ -240,11 +246,15 @@ def _checked(proposal: Proposal, requested: int, vocab_size: int, proposer: Prop
     name = type(proposer).__name__
     tokens = proposal.tokens
     if tokens.dim() != 1 or tokens.dtype != torch.long or tokens.numel() > requested:
-        raise ValueError(f"{name}.propose({requested}) must return tokens as int64 [k' <= {requested}], "
-                         f"got {tokens.dtype} {tuple(tokens.shape)}")
+        raise ValueError(
+            f"{name}.propose({requested}) must return tokens as int64 [k' <= {requested}], "
+            f"got {tokens.dtype} {tuple(tokens.shape)}"
+        )
     if proposal.q is not None and tuple(proposal.q.shape) != (tokens.numel(), vocab_size):
-        raise ValueError(f"{name}.propose returned q of shape {tuple(proposal.q.shape)}, expected "
-                         f"[{tokens.numel()}, {vocab_size}] (draft probs over the target vocabulary)")
+        raise ValueError(
+            f"{name}.propose returned q of shape {tuple(proposal.q.shape)}, expected "
+            f"[{tokens.numel()}, {vocab_size}] (draft probs over the target vocabulary)"
+        )
     return proposal
 
 
@@ -267,9 +277,15 @@ class VerifyStep:
     verify_s: float
 
 
-def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cfg: GenerationConfig,
-                         k: int, on_tokens: Callable[[list[int]], None] | None = None,
-                         on_step: Callable[[VerifyStep], None] | None = None) -> GenerationResult:
+def generate_speculative(
+    target: TargetModel,
+    proposer: Proposer,
+    prompt_ids,
+    cfg: GenerationConfig,
+    k: int,
+    on_tokens: Callable[[list[int]], None] | None = None,
+    on_step: Callable[[VerifyStep], None] | None = None,
+) -> GenerationResult:
     """Speculative decoding: the proposer drafts up to k tokens, one target forward verifies them.
 
     Steps:
@@ -304,8 +320,10 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
     if k < 0:
         raise ValueError(f"k must be >= 0, got {k}")
     if proposer.needs_aux_hidden and target.aux_layer_ids is None:
-        raise ValueError(f"{type(proposer).__name__} reads the target's aux hidden states: build the "
-                         f"TargetModel with aux_layer_ids (e.g. from the head's config)")
+        raise ValueError(
+            f"{type(proposer).__name__} reads the target's aux hidden states: build the "
+            f"TargetModel with aux_layer_ids (e.g. from the head's config)"
+        )
     prompt = _as_prompt(prompt_ids)
     _check_length(target, prompt, cfg)
     stats = SpecStats(k=k)
@@ -314,7 +332,7 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
         return GenerationResult(out.tokens, out.finish_reason, stats, 0)
     generator = _generator(cfg, target.device)
     cache = target.new_cache()
-    final_hidden = bool(proposer.needs_final_hidden)                # MLP speculator: lm_head inputs of every row
+    final_hidden = bool(proposer.needs_final_hidden)  # MLP speculator: lm_head inputs of every row
     step: TargetStep = target.forward(prompt, cache, final_hidden=final_hidden)
     forwards = 1
     first = _next_token(step.logits[-1], cfg, generator)
@@ -329,15 +347,16 @@ def generate_speculative(target: TargetModel, proposer: Proposer, prompt_ids, cf
         proposal = _checked(proposer.propose(requested), requested, target.vocab_size, proposer)
         t1 = time.perf_counter()
         drafts = proposal.tokens
-        kept = cache.length                                             # prompt + emitted[:-1]
-        step = target.forward(torch.cat([torch.tensor(out.tokens[-1:], device=drafts.device), drafts]), cache,
-                              final_hidden=final_hidden)
+        kept = cache.length  # prompt + emitted[:-1]
+        step = target.forward(
+            torch.cat([torch.tensor(out.tokens[-1:], device=drafts.device), drafts]), cache, final_hidden=final_hidden
+        )
         forwards += 1
         if cfg.greedy:
             emitted, n = verify_greedy(drafts, step.logits)
         else:
             emitted, n = verify_sampling(drafts, proposal.q, cfg.probs(step.logits), generator)
-        cache.crop(kept + 1 + n)                                        # keep last token + accepted drafts
+        cache.crop(kept + 1 + n)  # keep last token + accepted drafts
         stats.record(drafts.numel(), n)
         emitted = emitted.cpu()
         t2 = time.perf_counter()

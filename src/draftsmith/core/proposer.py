@@ -10,6 +10,7 @@ The outer loop (``inference/generate.py``) calls, for one sequence:
      d1..dn plus the target's token. After ``accept`` the context is prompt + all emitted tokens.
 Modelled on transformers' ``CandidateGenerator`` (``get_candidates`` / ``update_candidate_strategy``).
 """
+
 from __future__ import annotations
 
 import abc

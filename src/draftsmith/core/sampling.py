@@ -4,13 +4,15 @@ Kept separate as in gpt-fast ``generate.py`` (``logits_to_probs`` / ``sample``):
 verifier needs the probabilities themselves (p for the target, q for the draft), not only samples.
 Temperature 0 (greedy) is NOT handled here: callers take ``argmax`` of the logits instead.
 """
+
 from __future__ import annotations
 
 import torch
 
 
-def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None,
-                    top_p: float | None = None) -> torch.Tensor:
+def logits_to_probs(
+    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+) -> torch.Tensor:
     """Softmax of ``logits / temperature`` restricted to the top-k, then to the top-p nucleus.
 
     Args:
@@ -41,8 +43,8 @@ def logits_to_probs(logits: torch.Tensor, temperature: float = 1.0, top_k: int |
     probs = torch.softmax(logits, dim=-1)
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs      # mass of strictly more likely tokens
-        drop_sorted = mass_before >= top_p                             # never drops the first (mass_before 0)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
+        drop_sorted = mass_before >= top_p  # never drops the first (mass_before 0)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -71,5 +73,5 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     Uses ``torch.multinomial`` with ``generator`` (on the probs' device) for reproducibility.
     """
     flat = probs.reshape(-1, probs.shape[-1])
-    tokens = torch.multinomial(flat, num_samples=1, generator=generator)   # [R, 1]
+    tokens = torch.multinomial(flat, num_samples=1, generator=generator)  # [R, 1]
     return tokens.reshape(probs.shape[:-1])

@@ -9,6 +9,7 @@ bytes across tokens, so the text of a trailing incomplete character is held back
 tokens whose final text contains the stop string, whatever the chunking (one token per step for plain decoding,
 accepted chunks for speculative decoding): every method stops at the same token.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -76,7 +77,7 @@ class TextStream:
         """Append what ``decoded`` adds to the final text; cut it before a stop string that now appears (True)."""
         if len(decoded) <= len(self.text) or not decoded.startswith(self.text):
             return False
-        start = max(0, len(self.text) - self.longest_stop + 1)          # a new hit ends in the appended part
+        start = max(0, len(self.text) - self.longest_stop + 1)  # a new hit ends in the appended part
         self.text = decoded
         hit = self._find_stop(self.text, start) if self.stop else None
         if hit is not None:
@@ -87,14 +88,14 @@ class TextStream:
         """How much of ``text`` can be sent now: all but a tail that may start a stop string."""
         end = len(self.text)
         for n in range(min(self.longest_stop - 1, end), 0, -1):
-            tail = self.text[end - n:]
+            tail = self.text[end - n :]
             if any(s.startswith(tail) for s in self.stop):
                 return end - n
         return end
 
     def _send(self, end: int) -> None:
         if end > self.sent:
-            delta, self.sent = self.text[self.sent:end], end
+            delta, self.sent = self.text[self.sent : end], end
             if self.on_text is not None:
                 self.on_text(delta)
 

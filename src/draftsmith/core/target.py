@@ -15,6 +15,7 @@ embedding (lm_head), i.e. the last layer's output AFTER the final norm: what vLL
 speculator as ``previous_hidden_states``. For Llama/Qwen it equals ``outputs.hidden_states[-1]``
 (tests/test_mlp_speculator.py checks both); it is read with a pre-hook on lm_head only when asked.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,8 +27,15 @@ from draftsmith.core.aux_layers import check_aux_layer_ids
 from draftsmith.core.cache import KVCache
 
 #: config keys that bound a model's positions, as vLLM's ``_get_and_verify_max_len`` reads them (the smallest wins)
-POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length",
-                       "max_seq_length", "seq_len")
+POSITION_LIMIT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
 
 
 def position_limit(config) -> tuple[str, int] | None:
@@ -49,8 +57,10 @@ def has_learned_positions(model) -> bool:
     if limit is None:
         return False
     tokens = model.get_input_embeddings()
-    return any(isinstance(m, torch.nn.Embedding) and m is not tokens and limit[1] <= m.num_embeddings <= limit[1] + 2
-               for m in model.modules())
+    return any(
+        isinstance(m, torch.nn.Embedding) and m is not tokens and limit[1] <= m.num_embeddings <= limit[1] + 2
+        for m in model.modules()
+    )
 
 
 @dataclass
@@ -113,7 +123,7 @@ class TargetModel:
         """An empty KV cache for one sequence of this model."""
         return KVCache(self.model.config)
 
-    @torch.no_grad()   # not inference_mode: an EAGLE head may reuse aux_hidden in autograd-aware code
+    @torch.no_grad()  # not inference_mode: an EAGLE head may reuse aux_hidden in autograd-aware code
     def forward(self, input_ids: torch.Tensor, cache: KVCache, final_hidden: bool = False) -> TargetStep:
         """Read ``input_ids`` ``[T_new]`` (int64) at positions ``cache.length ..`` and extend ``cache``.
 
@@ -134,29 +144,42 @@ class TargetModel:
         start = cache.length
         positions = torch.arange(start, start + input_ids.numel(), device=device)
         lm_head_inputs: list[torch.Tensor] = []
-        hook = (self.model.get_output_embeddings().register_forward_pre_hook(
-            lambda _module, args: lm_head_inputs.append(args[0])) if final_hidden else None)
+        hook = (
+            self.model.get_output_embeddings().register_forward_pre_hook(
+                lambda _module, args: lm_head_inputs.append(args[0])
+            )
+            if final_hidden
+            else None
+        )
         try:
-            out = self.model(input_ids=input_ids.to(device)[None], position_ids=positions[None],
-                             output_hidden_states=self.aux_layer_ids is not None, **cache.model_kwargs())
+            out = self.model(
+                input_ids=input_ids.to(device)[None],
+                position_ids=positions[None],
+                output_hidden_states=self.aux_layer_ids is not None,
+                **cache.model_kwargs(),
+            )
         finally:
             if hook is not None:
                 hook.remove()
         if cache.length != start + input_ids.numel():
-            raise RuntimeError(f"{type(self.model).__name__} did not extend the KV cache ({start} -> {cache.length} "
-                               f"tokens after reading {input_ids.numel()}): this transformers release ignores the "
-                               f"`cache=` argument; install transformers>=5.24 (pyproject.toml)")
+            raise RuntimeError(
+                f"{type(self.model).__name__} did not extend the KV cache ({start} -> {cache.length} "
+                f"tokens after reading {input_ids.numel()}): this transformers release ignores the "
+                f"`cache=` argument; install transformers>=5.24 (pyproject.toml)"
+            )
         aux = None
         if self.aux_layer_ids is not None:
-            aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)   # [T_new, 3H]
+            aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)  # [T_new, 3H]
         final = None
         if final_hidden:
             if len(lm_head_inputs) != 1 or lm_head_inputs[0].shape[:2] != (1, input_ids.numel()):
-                raise RuntimeError(f"{type(self.model).__name__}: expected one lm_head call over all "
-                                   f"{input_ids.numel()} rows, saw {[tuple(x.shape) for x in lm_head_inputs]}; "
-                                   "final_hidden needs a model whose forward applies its output embedding once "
-                                   "to every position")
-            final = lm_head_inputs[0][0]                                                     # [T_new, H]
+                raise RuntimeError(
+                    f"{type(self.model).__name__}: expected one lm_head call over all "
+                    f"{input_ids.numel()} rows, saw {[tuple(x.shape) for x in lm_head_inputs]}; "
+                    "final_hidden needs a model whose forward applies its output embedding once "
+                    "to every position"
+                )
+            final = lm_head_inputs[0][0]  # [T_new, H]
         return TargetStep(logits=out.logits[0].float(), aux_hidden=aux, final_hidden=final)
 
 
@@ -169,8 +192,10 @@ def resolve_max_model_len(limit: tuple[str, int] | None, requested: int | None) 
     """
     if limit is None:
         if requested is None or requested < 1:
-            raise ValueError(f"the target's config declares no position limit (none of "
-                             f"{', '.join(POSITION_LIMIT_KEYS)}): pass max_model_len (--max-model-len N)")
+            raise ValueError(
+                f"the target's config declares no position limit (none of "
+                f"{', '.join(POSITION_LIMIT_KEYS)}): pass max_model_len (--max-model-len N)"
+            )
         return int(requested)
     key, n = limit
     if requested is not None and not 0 < requested <= n:

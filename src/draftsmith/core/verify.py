@@ -8,6 +8,7 @@ Both functions return ``(emitted [n+1] int64, n)``: the n accepted drafts plus o
 so every verify pass emits at least one token (k = 0 degenerates to ordinary decoding).
 Modelled on gpt-fast ``generate.py::speculative_decode``.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,15 +40,16 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
         ValueError: shapes inconsistent with ``[k]`` / ``[k+1, V]``.
     """
     k = _check(draft_tokens, target_logits)
-    target_tokens = target_logits.argmax(dim=-1)                                # [k+1]
-    matches = draft_tokens.to(target_tokens.device) == target_tokens[:k]        # [k]
+    target_tokens = target_logits.argmax(dim=-1)  # [k+1]
+    matches = draft_tokens.to(target_tokens.device) == target_tokens[:k]  # [k]
     n = int(matches.long().cumprod(dim=0).sum()) if k else 0
     # The accepted drafts equal the target's argmax, so the emitted chunk is the argmax prefix.
     return target_tokens[: n + 1].clone(), n
 
 
-def verify_sampling(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor,
-                    generator: torch.Generator | None = None) -> tuple[torch.Tensor, int]:
+def verify_sampling(
+    draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, int]:
     """Speculative (rejection) sampling: the emitted tokens are distributed exactly as sampling from p.
 
     Steps:
@@ -74,7 +76,7 @@ def verify_sampling(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch
     p = p.float()
     draft_tokens = draft_tokens.to(p.device)
     rows = torch.arange(k, device=p.device)
-    p_draft = p[rows, draft_tokens]                                             # [k]
+    p_draft = p[rows, draft_tokens]  # [k]
     if q is None:
         q_draft = torch.ones_like(p_draft)
     else:
@@ -85,11 +87,11 @@ def verify_sampling(draft_tokens: torch.Tensor, q: torch.Tensor | None, p: torch
         if bool((q_draft <= 0).any()):
             raise ValueError("a draft token has q(d) == 0: drafts must be sampled from the q the proposer returns")
     uniforms = torch.rand(k, generator=generator, device=p.device)
-    accepted = uniforms < p_draft / q_draft                                     # accept w.p. min(1, p/q)
+    accepted = uniforms < p_draft / q_draft  # accept w.p. min(1, p/q)
     n = int(accepted.long().cumprod(dim=0).sum()) if k else 0
     if n == k:
-        last = sample(p[k], generator)                                          # bonus token
+        last = sample(p[k], generator)  # bonus token
     else:
         q_n = torch.nn.functional.one_hot(draft_tokens[n], p.shape[1]).float() if q is None else q[n]
-        last = sample(residual_probs(p[n], q_n), generator)                     # replacement token
+        last = sample(residual_probs(p[n], q_n), generator)  # replacement token
     return torch.cat([draft_tokens[:n], last.reshape(1)]), n

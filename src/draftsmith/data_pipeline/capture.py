@@ -8,6 +8,7 @@ For a batch of rendered conversations the target runs once without grad and yiel
   target_logits [B, T, V]   the target's next-token logits (position t predicts token t+1)
 Offline shards (``draftsmith capture``) store the same tensors.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,5 +31,5 @@ def capture(target, input_ids: torch.Tensor, aux_layer_ids, attention_mask: torc
     """Run the frozen ``target`` (HF causal LM) on input_ids [B, T]; return aux states and logits."""
     ids = check_aux_layer_ids(aux_layer_ids, target.config.get_text_config().num_hidden_layers)
     out = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False)
-    aux = torch.cat([out.hidden_states[i] for i in ids], dim=-1)   # [B, T, 3H]
+    aux = torch.cat([out.hidden_states[i] for i in ids], dim=-1)  # [B, T, 3H]
     return Captured(aux_hidden=aux, target_logits=out.logits)

@@ -29,6 +29,7 @@ conversation (the text the target reads, one forward pass); each answer is locat
 A template that changes non-assistant text as the conversation grows (Mistral v0.3 moving the system
 prompt to the last user turn) is refused with ChatTemplateError.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,7 +42,7 @@ ROLES = ("system", "user", "assistant", "tool")
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 THINK_RE = re.compile(r"<think>.*?</think>\s*", re.DOTALL)
 LEADING_THINK_RE = re.compile(r"\s*<think>.*?</think>\s*", re.DOTALL)
-PLACEHOLDER = "\ue000draftsmith-answer\ue001"   # private-use characters: no template or answer holds them
+PLACEHOLDER = "\ue000draftsmith-answer\ue001"  # private-use characters: no template or answer holds them
 
 
 class ChatTemplateError(ValueError):
@@ -57,16 +58,20 @@ class Rendered:
     text: str
 
 
-def render_text(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
-                chat_template_kwargs: dict | None = None) -> str:
+def render_text(
+    tokenizer, messages: list[dict], add_generation_prompt: bool = False, chat_template_kwargs: dict | None = None
+) -> str:
     """The chat template's text for ``messages`` (raises ChatTemplateError if the tokenizer has none).
 
     ``chat_template_kwargs`` are passed to the template (e.g. ``{"enable_thinking": False}`` for Qwen3)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ChatTemplateError(f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat_template; "
-                                "pass a tokenizer with one or set tokenizer.chat_template")
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                         **(chat_template_kwargs or {}))
+        raise ChatTemplateError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '?')} has no chat_template; "
+            "pass a tokenizer with one or set tokenizer.chat_template"
+        )
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+    )
 
 
 def _name(tokenizer) -> str:
@@ -84,7 +89,7 @@ def _reasoning_only(text: str, inside_think: bool) -> bool:
         close = text.find(THINK_CLOSE)
         if close < 0:
             return True
-        text = text[close + len(THINK_CLOSE):]
+        text = text[close + len(THINK_CLOSE) :]
     text = THINK_RE.sub("", text)
     opener = text.find(THINK_OPEN)
     return not (text[:opener] if opener >= 0 else text).strip()
@@ -95,7 +100,7 @@ def _answer_pieces(text: str, start: int, end: int, inside_think: bool) -> list[
     cursor = start
     if inside_think:
         close = text.find(THINK_CLOSE, start, end)
-        if close < 0:                       # the whole turn is (unfinished) reasoning
+        if close < 0:  # the whole turn is (unfinished) reasoning
             return []
         cursor = close + len(THINK_CLOSE)
         while cursor < end and text[cursor].isspace():
@@ -112,7 +117,7 @@ def _answer_pieces(text: str, start: int, end: int, inside_think: bool) -> list[
 def _turn_answer(tokenizer, messages: list[dict], i: int, kwargs: dict | None) -> tuple[str, list[tuple[int, int]]]:
     """Step 1: the rendering of ``messages[:i+1]`` and the spans of assistant turn i's answer in it."""
     before = render_text(tokenizer, messages[:i], add_generation_prompt=True, chat_template_kwargs=kwargs)
-    after = render_text(tokenizer, messages[:i + 1], chat_template_kwargs=kwargs)
+    after = render_text(tokenizer, messages[: i + 1], chat_template_kwargs=kwargs)
     start = len(before)
     if not after.startswith(before):
         # the generation prompt may differ from the finished turn only in reasoning scaffolding
@@ -120,13 +125,14 @@ def _turn_answer(tokenizer, messages: list[dict], i: int, kwargs: dict | None) -
         start = len(os.path.commonprefix([before, after]))
         opener = before.rfind(THINK_OPEN, 0, start + len(THINK_OPEN))
         if not _reasoning_only(before[start:], _inside_think(before[:start])) and 0 <= opener <= start:
-            start = opener                  # the common prefix ran into the opener ("<t" of "<think>")
+            start = opener  # the common prefix ran into the opener ("<t" of "<think>")
         if not _reasoning_only(before[start:], _inside_think(before[:start])):
             raise ChatTemplateError(
                 f"{_name(tokenizer)}: rendering turn {i} changes the text of earlier turns, so the prefix-diff "
-                f"mask cannot locate the answer (the generation prompt {before[start:start + 40]!r}... is not how "
-                f"the finished turn {after[start:start + 40]!r}... begins: does the template move non-assistant "
-                "text, e.g. the system prompt, as turns are added?)")
+                f"mask cannot locate the answer (the generation prompt {before[start : start + 40]!r}... is not how "
+                f"the finished turn {after[start : start + 40]!r}... begins: does the template move non-assistant "
+                "text, e.g. the system prompt, as turns are added?)"
+            )
     end = len(after.rstrip())
     return after, _answer_pieces(after, start, end, _inside_think(after[:start]))
 
@@ -157,8 +163,9 @@ def _locate(full: str, pieces: list[str], anchor: int, floor: int) -> list[tuple
     return spans
 
 
-def supervised_spans(tokenizer, messages: list[dict],
-                     chat_template_kwargs: dict | None = None) -> tuple[str, list[tuple[int, int]]]:
+def supervised_spans(
+    tokenizer, messages: list[dict], chat_template_kwargs: dict | None = None
+) -> tuple[str, list[tuple[int, int]]]:
     """Full text and the ``[start, end)`` character spans of every assistant answer to supervise.
 
     Follows the numbered steps of the module docstring; raises ChatTemplateError when the template
@@ -172,16 +179,17 @@ def supervised_spans(tokenizer, messages: list[dict],
         if m["role"] != "assistant":
             continue
         after, pieces = _turn_answer(tokenizer, messages, i, chat_template_kwargs)
-        if not pieces:                      # an empty answer, or reasoning only
+        if not pieces:  # an empty answer, or reasoning only
             continue
         floor = spans[-1][1] if spans else 0
         if full.startswith(after[: pieces[-1][1]]) and pieces[0][0] >= floor:
-            spans.extend(pieces)            # step 2: this turn renders the same in the whole conversation
+            spans.extend(pieces)  # step 2: this turn renders the same in the whole conversation
             continue
         think = LEADING_THINK_RE.match(m["content"])
         stand_in = {**m, "content": (think.group(0) if think else "") + PLACEHOLDER}
-        marked = render_text(tokenizer, messages[:i] + [stand_in] + messages[i + 1:],
-                             chat_template_kwargs=chat_template_kwargs)
+        marked = render_text(
+            tokenizer, messages[:i] + [stand_in] + messages[i + 1 :], chat_template_kwargs=chat_template_kwargs
+        )
         anchor = marked.find(PLACEHOLDER)
         located = None
         if anchor >= 0 and marked.count(PLACEHOLDER) == 1 and full.startswith(marked[:anchor]):
@@ -190,13 +198,15 @@ def supervised_spans(tokenizer, messages: list[dict],
             raise ChatTemplateError(
                 f"{_name(tokenizer)}: the answer of turn {i} as rendered on its own is not where the whole "
                 "conversation's rendering puts it; the template changes the text of earlier turns in a way the "
-                "mask cannot follow")
+                "mask cannot follow"
+            )
         spans.extend(located)
     return full, spans
 
 
-def render(tokenizer, messages: list[dict], max_length: int | None = None,
-           chat_template_kwargs: dict | None = None) -> Rendered:
+def render(
+    tokenizer, messages: list[dict], max_length: int | None = None, chat_template_kwargs: dict | None = None
+) -> Rendered:
     """Tokenize ``messages`` with the chat template and the assistant-only mask.
 
     Returns input_ids [T] int64 and loss_mask [T] bool (truncated to ``max_length``: the first tokens

@@ -17,6 +17,7 @@ Rendering also leaves out, whatever ``on_error``, the conversations that train n
 token, or none left within ``max_length``): returned and logged the same way, with a reason code of
 ``drops.REASONS`` (``SkippedRecord.kind``).
 """
+
 from __future__ import annotations
 
 import json
@@ -35,11 +36,24 @@ from draftsmith.reference import corpus
 logger = logging.getLogger(__name__)
 ON_ERROR = ("raise", "skip")
 # role -> roles that may follow it; None is the start of the conversation
-NEXT_ROLES = {None: ("system", "user"), "system": ("user",), "user": ("assistant",),
-              "assistant": ("user", "tool"), "tool": ("tool", "assistant")}
+NEXT_ROLES = {
+    None: ("system", "user"),
+    "system": ("user",),
+    "user": ("assistant",),
+    "assistant": ("user", "tool"),
+    "tool": ("tool", "assistant"),
+}
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system", "tool": "tool", "chatgpt": "assistant", "bing": "assistant"}
+SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+    "tool": "tool",
+    "chatgpt": "assistant",
+    "bing": "assistant",
+}
 
 
 class DatasetError(ValueError):
@@ -55,7 +69,7 @@ def normalise(record: dict, index: int) -> dict:
         for m in record["conversations"]:
             role = SHAREGPT_ROLES.get(str(m.get("from", m.get("role"))).lower())
             messages.append({"role": role, "content": m.get("value", m.get("content"))})
-    elif "data" in record and isinstance(record["data"], list):   # UltraChat: alternating user/assistant strings
+    elif "data" in record and isinstance(record["data"], list):  # UltraChat: alternating user/assistant strings
         messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": c} for i, c in enumerate(record["data"])]
     else:
         raise DatasetError(f"record {index}: no 'messages', 'conversations' or 'data' field (keys: {sorted(record)})")
@@ -70,8 +84,10 @@ def normalise(record: dict, index: int) -> dict:
     for j, m in enumerate(messages):
         if m["role"] not in NEXT_ROLES[previous]:
             where = "come first" if previous is None else f"follow a {previous!r} turn"
-            raise DatasetError(f"record {index}, turn {j}: role {m['role']!r} cannot {where} (expected "
-                               f"{' or '.join(map(repr, NEXT_ROLES[previous]))}); turns must alternate")
+            raise DatasetError(
+                f"record {index}, turn {j}: role {m['role']!r} cannot {where} (expected "
+                f"{' or '.join(map(repr, NEXT_ROLES[previous]))}); turns must alternate"
+            )
         previous = m["role"]
     out = {k: v for k, v in record.items() if k not in ("messages", "conversations", "data")}
     out["messages"] = messages
@@ -84,7 +100,7 @@ class LoadedConversations:
 
     conversations: list[dict]
     skipped: list[SkippedRecord] = field(default_factory=list)
-    total: int = 0                           #: records in the source
+    total: int = 0  #: records in the source
 
 
 def _check_on_error(on_error: str) -> None:
@@ -108,9 +124,11 @@ def _hub_records(source: str, subset: str | None, split: str):
 
     try:
         ds = datasets.load_dataset(source, subset, split=split)
-    except ValueError as e:                          # e.g. an unknown split: say which exist
-        raise DatasetError(f"dataset {source!r} (subset {subset!r}) has no split {split!r}: {e}; set data.split "
-                           "(and data.subset) to one the dataset has") from None
+    except ValueError as e:  # e.g. an unknown split: say which exist
+        raise DatasetError(
+            f"dataset {source!r} (subset {subset!r}) has no split {split!r}: {e}; set data.split "
+            "(and data.subset) to one the dataset has"
+        ) from None
     return ds
 
 
@@ -129,8 +147,14 @@ def _local_records(path: Path, split: str) -> tuple[list, bool]:
     return [l for l in text.splitlines() if l.strip()], True
 
 
-def read_conversations(source: str, limit: int | None = None, seed: int = 0, on_error: str = "raise",
-                       split: str = "train", subset: str | None = None) -> LoadedConversations:
+def read_conversations(
+    source: str,
+    limit: int | None = None,
+    seed: int = 0,
+    on_error: str = "raise",
+    split: str = "train",
+    subset: str | None = None,
+) -> LoadedConversations:
     """Conversations from ``source``, normalised (``normalise``), shuffled with ``seed``, first ``limit`` kept.
 
     ``source``: ``reference:train``; a local ``.jsonl`` / ``.json`` (a list) / ``.parquet`` file; or
@@ -142,7 +166,6 @@ def read_conversations(source: str, limit: int | None = None, seed: int = 0, on_
     _check_on_error(on_error)
     skipped: list[SkippedRecord] = []
     if source == "reference:train":
-
         train = [s for s in corpus.stdlib_sources() if not corpus.is_heldout(s.module)]
         # Re-derive the prompts with another seed than pretraining's (cut points, renamed identifiers,
         # added parameters differ), so the target answers prompts it has not memorised, as when serving.
@@ -153,8 +176,10 @@ def read_conversations(source: str, limit: int | None = None, seed: int = 0, on_
         if path.is_file():
             raw, jsonl = _local_records(path, split)
         elif path.suffix in LOCAL_SUFFIXES:
-            raise FileNotFoundError(f"dataset {source} not found (give a .jsonl/.json/.parquet file, a "
-                                    "datasets.load_dataset name, or 'reference:train')")
+            raise FileNotFoundError(
+                f"dataset {source} not found (give a .jsonl/.json/.parquet file, a "
+                "datasets.load_dataset name, or 'reference:train')"
+            )
         else:
             raw, jsonl = _hub_records(source, subset, split), False
         records, total = [], len(raw)
@@ -177,8 +202,14 @@ def read_conversations(source: str, limit: int | None = None, seed: int = 0, on_
     return LoadedConversations(records[:limit] if limit else records, skipped, total)
 
 
-def load_conversations(source: str, limit: int | None = None, seed: int = 0, on_error: str = "raise",
-                       split: str = "train", subset: str | None = None) -> list[dict]:
+def load_conversations(
+    source: str,
+    limit: int | None = None,
+    seed: int = 0,
+    on_error: str = "raise",
+    split: str = "train",
+    subset: str | None = None,
+) -> list[dict]:
     """Conversations from ``source`` (see :func:`read_conversations`), shuffled with ``seed``.
 
     Raises FileNotFoundError for a missing file, DatasetError for a malformed record (``on_error="raise"``);
@@ -197,7 +228,7 @@ class RenderedDataset:
 
     input_ids: list[torch.Tensor]
     loss_mask: list[torch.Tensor]
-    skipped: list[SkippedRecord] = field(default_factory=list)   #: conversations left out, with reasons
+    skipped: list[SkippedRecord] = field(default_factory=list)  #: conversations left out, with reasons
     kept: list[int] = field(default_factory=list)
     truncated: int = 0
 
@@ -212,8 +243,13 @@ class RenderedDataset:
         return sum(m.numel() for m in self.loss_mask)
 
 
-def render_conversations(tokenizer, conversations: list[dict], max_length: int, on_error: str = "raise",
-                         chat_template_kwargs: dict | None = None) -> RenderedDataset:
+def render_conversations(
+    tokenizer,
+    conversations: list[dict],
+    max_length: int,
+    on_error: str = "raise",
+    chat_template_kwargs: dict | None = None,
+) -> RenderedDataset:
     """Render every conversation with the chat template and assistant-only mask, truncated to max_length.
 
     Truncation keeps the first ``max_length`` tokens and their mask, so a partially cut answer still
@@ -250,13 +286,20 @@ def check_supervised_fraction(ds: RenderedDataset, tokenizer) -> None:
     frac = ds.supervised_fraction()
     if not ds.input_ids or frac == 0.0 or frac > 0.95:
         left_out = f" ({len(ds.skipped)} left out: {describe(count_by_reason(ds.skipped))})" if ds.skipped else ""
-        raise ValueError(f"supervised fraction {frac:.1%} over {len(ds)} conversations{left_out} is implausible for "
-                         f"the chat template of {getattr(tokenizer, 'name_or_path', '?')}: check the template and "
-                         "the data")
+        raise ValueError(
+            f"supervised fraction {frac:.1%} over {len(ds)} conversations{left_out} is implausible for "
+            f"the chat template of {getattr(tokenizer, 'name_or_path', '?')}: check the template and "
+            "the data"
+        )
 
 
-def render_dataset(tokenizer, conversations: list[dict], max_length: int, on_error: str = "raise",
-                   chat_template_kwargs: dict | None = None) -> RenderedDataset:
+def render_dataset(
+    tokenizer,
+    conversations: list[dict],
+    max_length: int,
+    on_error: str = "raise",
+    chat_template_kwargs: dict | None = None,
+) -> RenderedDataset:
     """:func:`render_conversations`, a warning naming what it left out (by reason), then
     :func:`check_supervised_fraction` (which raises ValueError)."""
     ds = render_conversations(tokenizer, conversations, max_length, on_error, chat_template_kwargs)

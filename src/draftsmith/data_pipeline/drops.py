@@ -17,6 +17,7 @@ predicts token t+1, so token 0 is predicted by no row) and lies within ``max_len
 :func:`supervision_drop`. ``prepare`` stops with :class:`DroppedConversationsError` when more than
 ``data.max_dropped_fraction`` of the conversations it selected is lost (:func:`check_dropped_share`).
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,7 +31,7 @@ REASONS = {
     "malformed_record": "fix the records (data.on_error=raise names each one)",
     "template_refused": "fix the conversations or the chat template (data.on_error=raise shows the error)",
     "empty_regenerated_answer": "the target ended an answer at once: check its chat template and EOS ids, "
-                                "or set data.regenerate=false",
+    "or set data.regenerate=false",
     "unfinished_regenerated_answer": "raise data.max_new_tokens",
     "no_supervised_tokens": "give the conversations non-empty answers (reasoning blocks are never supervised)",
     "no_supervised_tokens_after_truncation": "raise data.max_length",
@@ -61,13 +62,15 @@ def supervision_drop(loss_mask: torch.Tensor, max_length: int | None) -> tuple[s
     ``no_supervised_tokens`` (no supervised token after the first: empty or reasoning-only answers) or
     ``no_supervised_tokens_after_truncation`` (every supervised token lies at or past ``max_length``)."""
     positions = loss_mask.nonzero().flatten()
-    positions = positions[positions >= 1]           # token 0 has no context: no row predicts it
+    positions = positions[positions >= 1]  # token 0 has no context: no row predicts it
     if positions.numel() == 0:
         return "no_supervised_tokens", "no assistant token to supervise (empty or reasoning-only answers)"
     first = int(positions[0])
     if max_length is not None and first >= max_length:
-        return ("no_supervised_tokens_after_truncation",
-                f"its first supervised token is token {first} of {loss_mask.numel()}, past max_length {max_length}")
+        return (
+            "no_supervised_tokens_after_truncation",
+            f"its first supervised token is token {first} of {loss_mask.numel()}, past max_length {max_length}",
+        )
     return None
 
 
@@ -97,8 +100,14 @@ def log_counts(logger: logging.Logger, what: str, counts: dict[str, int], total:
     """One warning naming how many of ``total`` conversations ``what`` left out, by reason (``counts``),
     with the fix per reason and an example; nothing when none was."""
     if counts:
-        logger.warning("%s: skipped %d of %d conversations: %s; first: %s", what, sum(counts.values()), total,
-                       describe(counts), example)
+        logger.warning(
+            "%s: skipped %d of %d conversations: %s; first: %s",
+            what,
+            sum(counts.values()),
+            total,
+            describe(counts),
+            example,
+        )
 
 
 def log_dropped(logger: logging.Logger, what: str, dropped: list[SkippedRecord], total: int) -> None:
@@ -107,8 +116,9 @@ def log_dropped(logger: logging.Logger, what: str, dropped: list[SkippedRecord],
         log_counts(logger, what, count_by_reason(dropped), total, dropped[0].reason)
 
 
-def check_dropped_share(counts: dict[str, int], total: int, max_fraction: float, examples: dict[str, list[str]],
-                        after: str = "") -> None:
+def check_dropped_share(
+    counts: dict[str, int], total: int, max_fraction: float, examples: dict[str, list[str]], after: str = ""
+) -> None:
     """Raise DroppedConversationsError when ``sum(counts) / total`` exceeds ``max_fraction``.
 
     The message names the count, the share, every reason with its fix and an example of the main one,
@@ -121,4 +131,5 @@ def check_dropped_share(counts: dict[str, int], total: int, max_fraction: float,
     raise DroppedConversationsError(
         f"prepare lost {lost} of {total} conversations ({lost / total:.1%}, more than data.max_dropped_fraction="
         f"{max_fraction}): {describe(counts)}. Main reason {main}, e.g. {example}. Do what the main reason says, "
-        f"or set data.max_dropped_fraction={lost / total:.2f} (or more) to train on what is left.{after}")
+        f"or set data.max_dropped_fraction={lost / total:.2f} (or more) to train on what is left.{after}"
+    )

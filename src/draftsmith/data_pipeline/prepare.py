@@ -27,6 +27,7 @@ num_conversations + heldout_conversations, or fewer when the source runs out) =
 ``dropped_examples``); ``dropped_fraction`` = that sum / conversations_selected; ``skipped_records`` =
 malformed_records + that sum (every record left out, other than by the num_conversations cut).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -76,8 +77,13 @@ def _write_atomic(path: Path, text: str) -> None:
 
 
 # fields added after folders were first prepared, with the value that reproduces the earlier behaviour
-LATER_FIELDS = {"regenerate_engine": "transformers", "regenerate_url": None, "split": "train", "subset": None,
-                "on_error": "raise"}
+LATER_FIELDS = {
+    "regenerate_engine": "transformers",
+    "regenerate_url": None,
+    "split": "train",
+    "subset": None,
+    "on_error": "raise",
+}
 # fields that check a folder rather than make it: never in its key, checked again when it is reused
 UNKEYED_FIELDS = ("max_dropped_fraction",)
 
@@ -85,8 +91,11 @@ UNKEYED_FIELDS = ("max_dropped_fraction",)
 def _key_fields(cfg: DataConfig) -> dict:
     """The config a prepared folder is keyed by; LATER_FIELDS at their old value are left out, so folders
     prepared before those fields existed are still reused, and UNKEYED_FIELDS always are."""
-    return {k: v for k, v in to_dict(cfg).items()
-            if k not in UNKEYED_FIELDS and (k not in LATER_FIELDS or LATER_FIELDS[k] != v)}
+    return {
+        k: v
+        for k, v in to_dict(cfg).items()
+        if k not in UNKEYED_FIELDS and (k not in LATER_FIELDS or LATER_FIELDS[k] != v)
+    }
 
 
 def _in_selection(records: list[SkippedRecord], selection_index: list[int]) -> list[SkippedRecord]:
@@ -95,7 +104,7 @@ def _in_selection(records: list[SkippedRecord], selection_index: list[int]) -> l
     out = []
     for r in records:
         j, prefix = selection_index[r.index], f"conversation {r.index}:"
-        reason = f"conversation {j}:" + r.reason[len(prefix):] if r.reason.startswith(prefix) else r.reason
+        reason = f"conversation {j}:" + r.reason[len(prefix) :] if r.reason.startswith(prefix) else r.reason
         out.append(dataclasses.replace(r, index=j, reason=reason))
     return out
 
@@ -104,11 +113,17 @@ def _check_dropped(manifest: dict, cfg: DataConfig) -> None:
     """DroppedConversationsError when a reused folder's losses exceed ``cfg.max_dropped_fraction``
     (manifests written before losses were counted pass)."""
     if "dropped" in manifest:
-        check_dropped_share(manifest["dropped"], manifest["conversations_selected"], cfg.max_dropped_fraction,
-                            manifest["dropped_examples"])
+        check_dropped_share(
+            manifest["dropped"],
+            manifest["conversations_selected"],
+            cfg.max_dropped_fraction,
+            manifest["dropped_examples"],
+        )
 
 
-def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, revision: str | None = None) -> PreparedData:
+def prepare(
+    cfg: DataConfig, target, tokenizer, target_name: str, out: Path, revision: str | None = None
+) -> PreparedData:
     """Run the steps of the module docstring into folder ``out`` (or reuse it); returns the data.
 
     Raises DroppedConversationsError (a ValueError) when more than ``cfg.max_dropped_fraction`` of the
@@ -122,33 +137,50 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
         _check_dropped(data.manifest, cfg)
         return data
     n = (cfg.num_conversations or 0) + cfg.heldout_conversations if cfg.num_conversations else None
-    loaded = read_conversations(cfg.source, limit=n, seed=cfg.seed, on_error=cfg.on_error, split=cfg.split,
-                                subset=cfg.subset)
+    loaded = read_conversations(
+        cfg.source, limit=n, seed=cfg.seed, on_error=cfg.on_error, split=cfg.split, subset=cfg.subset
+    )
     convs = loaded.conversations
     selected = len(convs)
     if n is not None and selected < n:
-        logger.warning("%s holds %d usable conversations, fewer than the %d asked (data.num_conversations + "
-                       "data.heldout_conversations)", cfg.source, selected, n)
-    origin, dropped = list(range(selected)), []        # selection index of each conversation still in play
+        logger.warning(
+            "%s holds %d usable conversations, fewer than the %d asked (data.num_conversations + "
+            "data.heldout_conversations)",
+            cfg.source,
+            selected,
+            n,
+        )
+    origin, dropped = list(range(selected)), []  # selection index of each conversation still in play
     journal = out / "regenerate.partial.jsonl"
     if cfg.regenerate:
-        answerer = make_answerer(cfg.regenerate_engine, target, tokenizer, target_name, revision,
-                                 cfg.regenerate_url)
-        regen = regenerate_with_drops(answerer, convs, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                                      batch_size=cfg.batch_size, seed=cfg.seed, journal=journal)
+        answerer = make_answerer(cfg.regenerate_engine, target, tokenizer, target_name, revision, cfg.regenerate_url)
+        regen = regenerate_with_drops(
+            answerer,
+            convs,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            batch_size=cfg.batch_size,
+            seed=cfg.seed,
+            journal=journal,
+        )
         convs, origin, dropped = regen.conversations, regen.kept, regen.dropped
-    heldout, train = convs[: cfg.heldout_conversations], convs[cfg.heldout_conversations:]
+    heldout, train = convs[: cfg.heldout_conversations], convs[cfg.heldout_conversations :]
     if not train:
-        raise ValueError(f"no conversation is left for training: all {len(convs)} go to the held-out split "
-                         f"(data.heldout_conversations={cfg.heldout_conversations}); lower it, or raise "
-                         "data.num_conversations")
+        raise ValueError(
+            f"no conversation is left for training: all {len(convs)} go to the held-out split "
+            f"(data.heldout_conversations={cfg.heldout_conversations}); lower it, or raise "
+            "data.num_conversations"
+        )
     rendered = render_conversations(tokenizer, train, cfg.max_length, on_error=cfg.on_error)
-    dropped += _in_selection(rendered.skipped, origin[cfg.heldout_conversations:])
-    train = [train[i] for i in rendered.kept]       # later stages render what is kept
+    dropped += _in_selection(rendered.skipped, origin[cfg.heldout_conversations :])
+    train = [train[i] for i in rendered.kept]  # later stages render what is kept
     dropped_counts, examples = count_by_reason(dropped), examples_by_reason(dropped)
     log_dropped(logger, "prepare", dropped, selected)
-    kept_journal = (f" The regenerated answers stay in {journal}: a rerun regenerates only what is missing."
-                    if cfg.regenerate else "")
+    kept_journal = (
+        f" The regenerated answers stay in {journal}: a rerun regenerates only what is missing."
+        if cfg.regenerate
+        else ""
+    )
     check_dropped_share(dropped_counts, selected, cfg.max_dropped_fraction, examples, kept_journal)
     check_supervised_fraction(rendered, tokenizer)
     vocab_size = len(tokenizer)
@@ -164,13 +196,24 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
     seen = int((counts > 0).sum())
     covered = float(counts[vmap.t2d].sum()) / max(1.0, float(counts.sum()))
     manifest = {
-        "key": key, "config": to_dict(cfg), "target": {"name_or_path": target_name, "revision": revision},
-        "conversations": len(train), "heldout_conversations": len(heldout),
-        "tokens": rendered.num_tokens(), "supervised_tokens": int(counts.sum()),
-        "supervised_fraction": rendered.supervised_fraction(), "distinct_supervised_tokens": seen,
-        "draft_vocab_size": vmap.draft_vocab_size, "draft_vocab_coverage": covered, "d2t_sha256": vmap.sha256(),
-        "records_read": loaded.total, "malformed_records": len(loaded.skipped), "conversations_selected": selected,
-        "dropped": dropped_counts, "dropped_fraction": len(dropped) / max(1, selected), "dropped_examples": examples,
+        "key": key,
+        "config": to_dict(cfg),
+        "target": {"name_or_path": target_name, "revision": revision},
+        "conversations": len(train),
+        "heldout_conversations": len(heldout),
+        "tokens": rendered.num_tokens(),
+        "supervised_tokens": int(counts.sum()),
+        "supervised_fraction": rendered.supervised_fraction(),
+        "distinct_supervised_tokens": seen,
+        "draft_vocab_size": vmap.draft_vocab_size,
+        "draft_vocab_coverage": covered,
+        "d2t_sha256": vmap.sha256(),
+        "records_read": loaded.total,
+        "malformed_records": len(loaded.skipped),
+        "conversations_selected": selected,
+        "dropped": dropped_counts,
+        "dropped_fraction": len(dropped) / max(1, selected),
+        "dropped_examples": examples,
         "truncated_conversations": rendered.truncated,
         "skipped_records": len(loaded.skipped) + len(dropped),
         "skipped_examples": [r.reason for r in (loaded.skipped + dropped)[:5]],
@@ -178,7 +221,7 @@ def prepare(cfg: DataConfig, target, tokenizer, target_name: str, out: Path, rev
         "files": {p: _sha256(out / p) for p in ("conversations.jsonl", "heldout.jsonl", "vocab_map.safetensors")},
     }
     _write_atomic(manifest_path, json.dumps(manifest, indent=1))
-    journal.unlink(missing_ok=True)                 # the answers now live in conversations/heldout.jsonl
+    journal.unlink(missing_ok=True)  # the answers now live in conversations/heldout.jsonl
     return PreparedData(out, train, heldout, vmap, manifest)
 
 

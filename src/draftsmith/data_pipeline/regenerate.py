@@ -30,6 +30,7 @@ turn's conversations in input order, cut every ``batch_size``) and every answer 
 The caller deletes the journal once its final files are written (``prepare`` does, after its
 manifest).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,8 +74,9 @@ class Answerer(Protocol):
     def identity(self) -> dict:
         """Who answers: ``{"engine", "name_or_path", "revision", ...}`` (recorded in provenance and the key)."""
 
-    def answer(self, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
-               seeds: list[int]) -> list[Answer]:
+    def answer(
+        self, prompts: list[list[dict]], max_new_tokens: int, temperature: float, seeds: list[int]
+    ) -> list[Answer]:
         """Answers to ``prompts`` (each a message list ending with a user or tool turn), in order.
 
         ``temperature`` 0 is greedy; ``seeds[i]`` seeds prompt i's sampling."""
@@ -94,15 +96,16 @@ class TransformersAnswerer:
 
     def __init__(self, model, tokenizer, name_or_path: str, revision: str | None = None):
         self.model, self.tokenizer, self.name_or_path, self.revision = model, tokenizer, name_or_path, revision
-        self.eos_token_ids = stop_token_ids(model, tokenizer)       # the stop ids the runtime uses
+        self.eos_token_ids = stop_token_ids(model, tokenizer)  # the stop ids the runtime uses
 
     def identity(self) -> dict:
         """``{"engine": "transformers", "name_or_path", "revision"}``."""
         return {"engine": "transformers", "name_or_path": self.name_or_path, "revision": self.revision}
 
     @torch.no_grad()
-    def answer(self, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
-               seeds: list[int]) -> list[Answer]:
+    def answer(
+        self, prompts: list[list[dict]], max_new_tokens: int, temperature: float, seeds: list[int]
+    ) -> list[Answer]:
         """Answers to ``prompts`` (see ``Answerer.answer``); the batch is left-padded to its longest prompt."""
         tokenizer = self.tokenizer
         texts = [render_text(tokenizer, m, add_generation_prompt=True) for m in prompts]
@@ -110,17 +113,24 @@ class TransformersAnswerer:
         width = max(map(len, enc))
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         device = next(self.model.parameters()).device
-        ids = torch.full((len(enc), width), pad, dtype=torch.long)     # [B, T], prompts right-aligned
+        ids = torch.full((len(enc), width), pad, dtype=torch.long)  # [B, T], prompts right-aligned
         attn = torch.zeros_like(ids)
         for i, e in enumerate(enc):
-            ids[i, width - len(e):] = torch.tensor(e)
-            attn[i, width - len(e):] = 1
+            ids[i, width - len(e) :] = torch.tensor(e)
+            attn[i, width - len(e) :] = 1
         if temperature > 0:
             torch.manual_seed(seeds[0])
-        out = self.model.generate(input_ids=ids.to(device), attention_mask=attn.to(device),
-                                  max_new_tokens=max_new_tokens, do_sample=temperature > 0,
-                                  temperature=temperature if temperature > 0 else None, top_p=None, top_k=None,
-                                  eos_token_id=list(self.eos_token_ids), pad_token_id=pad)
+        out = self.model.generate(
+            input_ids=ids.to(device),
+            attention_mask=attn.to(device),
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_p=None,
+            top_k=None,
+            eos_token_id=list(self.eos_token_ids),
+            pad_token_id=pad,
+        )
         answers = []
         for row in out[:, width:].tolist():
             stop = next((i for i, t in enumerate(row) if t in self.eos_token_ids), None)
@@ -145,17 +155,19 @@ class RuntimeAnswerer:
         """``{"engine": "draftsmith", "name_or_path", "revision"}``."""
         return {"engine": "draftsmith", "name_or_path": self.name_or_path, "revision": self.revision}
 
-    def answer(self, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
-               seeds: list[int]) -> list[Answer]:
+    def answer(
+        self, prompts: list[list[dict]], max_new_tokens: int, temperature: float, seeds: list[int]
+    ) -> list[Answer]:
         """Answers to ``prompts`` (see ``Answerer.answer``), each decoded on its own."""
 
         answers = []
         for messages, seed in zip(prompts, seeds):
-            cfg = GenerationConfig(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
-                                   eos_token_ids=self.eos_token_ids)
+            cfg = GenerationConfig(
+                max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_ids=self.eos_token_ids
+            )
             result = generate_plain(self.target, prompt_ids(self.tokenizer, messages), cfg)
             finished = result.finish_reason == "stop"
-            tokens = result.tokens[:-1] if finished else result.tokens        # the stop token is not text
+            tokens = result.tokens[:-1] if finished else result.tokens  # the stop token is not text
             answers.append(Answer(self.tokenizer.decode(tokens, skip_special_tokens=True), finished))
         return answers
 
@@ -182,8 +194,9 @@ class ServerAnswerer:
         ServerError: the server cannot be reached, serves no model, or refuses a request.
     """
 
-    def __init__(self, url: str, target_name: str, revision: str | None = None, timeout_s: float = 600.0,
-                 retries: int = 2):
+    def __init__(
+        self, url: str, target_name: str, revision: str | None = None, timeout_s: float = 600.0, retries: int = 2
+    ):
         base = url.rstrip("/")
         self.base = base[: -len("/v1")] if base.endswith("/v1") else base
         self.timeout_s, self.retries, self.revision = timeout_s, retries, revision
@@ -196,19 +209,30 @@ class ServerAnswerer:
         model = (pick or served)[0]
         self.model, self.root = model.get("id"), model.get("root")
         if not pick:
-            logger.warning("%s serves %r, not the recipe's target %r: regenerated answers are recorded as %r's",
-                           self.base, self.model, target_name, self.model)
+            logger.warning(
+                "%s serves %r, not the recipe's target %r: regenerated answers are recorded as %r's",
+                self.base,
+                self.model,
+                target_name,
+                self.model,
+            )
 
     def identity(self) -> dict:
         """``{"engine": "server", "url", "name_or_path" (served id), "root" (vLLM), "revision" (declared)}``."""
-        return {"engine": "server", "url": self.base, "name_or_path": self.model, "root": self.root,
-                "revision": self.revision}
+        return {
+            "engine": "server",
+            "url": self.base,
+            "name_or_path": self.model,
+            "root": self.root,
+            "revision": self.revision,
+        }
 
     def _request(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()
         for attempt in range(self.retries + 1):
-            req = urllib.request.Request(self.base + path, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+            req = urllib.request.Request(
+                self.base + path, data=data, method=method, headers={"Content-Type": "application/json"}
+            )
             try:
                 with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                     return json.loads(resp.read())
@@ -219,25 +243,34 @@ class ServerAnswerer:
             except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
                 if attempt == self.retries:
                     raise ServerError(f"{method} {self.base}{path} failed: {e}") from None
-            time.sleep(0.5 * 2 ** attempt)
+            time.sleep(0.5 * 2**attempt)
         raise AssertionError("unreachable")
 
     def _one(self, messages: list[dict], max_new_tokens: int, temperature: float, seed: int) -> Answer:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_new_tokens,
-                "temperature": temperature, "seed": seed, "n": 1, "stream": False}
+        body = {
+            "model": self.model,
+            "messages": messages,
+            "max_tokens": max_new_tokens,
+            "temperature": temperature,
+            "seed": seed,
+            "n": 1,
+            "stream": False,
+        }
         out = self._request("POST", "/v1/chat/completions", body)
         choice = out["choices"][0]
         return Answer(choice["message"].get("content") or "", choice.get("finish_reason") == "stop")
 
-    def answer(self, prompts: list[list[dict]], max_new_tokens: int, temperature: float,
-               seeds: list[int]) -> list[Answer]:
+    def answer(
+        self, prompts: list[list[dict]], max_new_tokens: int, temperature: float, seeds: list[int]
+    ) -> list[Answer]:
         """Answers to ``prompts`` (see ``Answerer.answer``): one request each, all in flight at once."""
         with ThreadPoolExecutor(max_workers=max(1, len(prompts))) as pool:
             return list(pool.map(lambda p, s: self._one(p, max_new_tokens, temperature, s), prompts, seeds))
 
 
-def make_answerer(engine: str, model, tokenizer, name_or_path: str, revision: str | None = None,
-                  url: str | None = None) -> Answerer:
+def make_answerer(
+    engine: str, model, tokenizer, name_or_path: str, revision: str | None = None, url: str | None = None
+) -> Answerer:
     """The answerer for ``engine`` (one of ``ENGINES``); ``server`` needs ``url``.
 
     Raises ValueError for an unknown engine or a server engine without a URL; ServerError when the
@@ -258,8 +291,9 @@ def make_answerer(engine: str, model, tokenizer, name_or_path: str, revision: st
 
 def _journal_key(conversations: list[dict], identity: dict, settings: dict) -> str:
     """sha256 over what the answers depend on (the server's URL excluded: the model is what counts)."""
-    h = hashlib.sha256(canonical_json({"identity": {k: v for k, v in identity.items() if k != "url"},
-                                       "settings": settings}))
+    h = hashlib.sha256(
+        canonical_json({"identity": {k: v for k, v in identity.items() if k != "url"}, "settings": settings})
+    )
     for conv in conversations:
         h.update(canonical_json(conv["messages"]))
         h.update(b"\n")
@@ -277,7 +311,7 @@ def _read_journal(path: Path, key: str) -> dict[tuple[int, int], Answer]:
         try:
             records.append(json.loads(line))
         except json.JSONDecodeError:
-            break                                            # a kill mid-write: the rest is lost
+            break  # a kill mid-write: the rest is lost
     if records and records[0].get("format") == JOURNAL_FORMAT and records[0].get("key") == key:
         for r in records[1:]:
             done[(int(r["conversation"]), int(r["turn"]))] = Answer(r["content"], bool(r["finished"]))
@@ -297,8 +331,12 @@ def _read_journal(path: Path, key: str) -> dict[tuple[int, int], Answer]:
 def _append(path: Path, entries: list[tuple[int, int, Answer]]) -> None:
     """Append one batch of answers (conversation, turn, answer) and make it durable."""
     with open(path, "a") as f:
-        f.write("".join(json.dumps({"conversation": ci, "turn": turn, "content": a.text, "finished": a.finished})
-                        + "\n" for ci, turn, a in entries))
+        f.write(
+            "".join(
+                json.dumps({"conversation": ci, "turn": turn, "content": a.text, "finished": a.finished}) + "\n"
+                for ci, turn, a in entries
+            )
+        )
         f.flush()
         os.fsync(f.fileno())
 
@@ -322,21 +360,46 @@ class Regenerated:
     dropped: list[SkippedRecord]
 
 
-def regenerate(answerer: Answerer, conversations: list[dict], *, max_new_tokens: int = 256,
-               temperature: float = 0.0, batch_size: int = 16, seed: int = 0, drop_unfinished: bool = False,
-               journal: str | Path | None = None, progress: bool = True) -> list[dict]:
+def regenerate(
+    answerer: Answerer,
+    conversations: list[dict],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    batch_size: int = 16,
+    seed: int = 0,
+    drop_unfinished: bool = False,
+    journal: str | Path | None = None,
+    progress: bool = True,
+) -> list[dict]:
     """The conversations of :func:`regenerate_with_drops`; a warning names those it left out, by reason."""
-    out = regenerate_with_drops(answerer, conversations, max_new_tokens=max_new_tokens, temperature=temperature,
-                                batch_size=batch_size, seed=seed, drop_unfinished=drop_unfinished, journal=journal,
-                                progress=progress)
+    out = regenerate_with_drops(
+        answerer,
+        conversations,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        batch_size=batch_size,
+        seed=seed,
+        drop_unfinished=drop_unfinished,
+        journal=journal,
+        progress=progress,
+    )
     log_dropped(logger, "regenerate", out.dropped, len(conversations))
     return out.conversations
 
 
-def regenerate_with_drops(answerer: Answerer, conversations: list[dict], *, max_new_tokens: int = 256,
-                          temperature: float = 0.0, batch_size: int = 16, seed: int = 0,
-                          drop_unfinished: bool = False, journal: str | Path | None = None,
-                          progress: bool = True) -> Regenerated:
+def regenerate_with_drops(
+    answerer: Answerer,
+    conversations: list[dict],
+    *,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    batch_size: int = 16,
+    seed: int = 0,
+    drop_unfinished: bool = False,
+    journal: str | Path | None = None,
+    progress: bool = True,
+) -> Regenerated:
     """Copies of ``conversations`` whose assistant turns are ``answerer``'s answers, and what was left out.
 
     Steps:
@@ -353,27 +416,38 @@ def regenerate_with_drops(answerer: Answerer, conversations: list[dict], *, max_
     if batch_size < 1 or max_new_tokens < 1:
         raise ValueError(f"batch_size and max_new_tokens must be >= 1, got {batch_size}, {max_new_tokens}")
     convs = [{**c, "messages": [dict(m) for m in c["messages"]]} for c in conversations]
-    settings = {"max_new_tokens": max_new_tokens, "temperature": temperature, "batch_size": batch_size,
-                "seed": seed, "batch_order": "prompt_length"}
+    settings = {
+        "max_new_tokens": max_new_tokens,
+        "temperature": temperature,
+        "batch_size": batch_size,
+        "seed": seed,
+        "batch_order": "prompt_length",
+    }
     identity = answerer.identity()
     path = Path(journal) if journal is not None else None
     done = _read_journal(path, _journal_key(conversations, identity, settings)) if path else {}
 
     slots = [[j for j, m in enumerate(c["messages"]) if m["role"] == "assistant"] for c in convs]
     max_turns = max(map(len, slots), default=0)
-    turns = [sorted((ci for ci in range(len(convs)) if turn < len(slots[ci])),      # similar lengths batched
-                    key=lambda ci: (_prompt_chars(convs[ci]["messages"][: slots[ci][turn]]), ci))
-             for turn in range(max_turns)]
-    batches = [(turn, todo[b:b + batch_size]) for turn, todo in enumerate(turns)
-               for b in range(0, len(todo), batch_size)]
+    turns = [
+        sorted(
+            (ci for ci in range(len(convs)) if turn < len(slots[ci])),  # similar lengths batched
+            key=lambda ci: (_prompt_chars(convs[ci]["messages"][: slots[ci][turn]]), ci),
+        )
+        for turn in range(max_turns)
+    ]
+    batches = [
+        (turn, todo[b : b + batch_size]) for turn, todo in enumerate(turns) for b in range(0, len(todo), batch_size)
+    ]
     unfinished: set[int] = set()
     bar = tqdm(total=len(batches), desc="regenerate", disable=not progress)
-    for turn, batch in batches:                                                 # step 2
+    for turn, batch in batches:  # step 2
         answers = [done.get((ci, turn)) for ci in batch]
         if any(a is None for a in answers):
             prompts = [convs[ci]["messages"][: slots[ci][turn]] for ci in batch]
-            answers = answerer.answer(prompts, max_new_tokens, temperature,
-                                      [answer_seed(seed, ci, turn) for ci in batch])
+            answers = answerer.answer(
+                prompts, max_new_tokens, temperature, [answer_seed(seed, ci, turn) for ci in batch]
+            )
             if path is not None:
                 _append(path, [(ci, turn, a) for ci, a in zip(batch, answers)])
         for ci, a in zip(batch, answers):
@@ -386,15 +460,21 @@ def regenerate_with_drops(answerer: Answerer, conversations: list[dict], *, max_
 
     regenerated_by = {**identity, "max_new_tokens": max_new_tokens, "temperature": temperature, "seed": seed}
     out = Regenerated([], [], [])
-    for ci, c in enumerate(convs):                                              # step 3
+    for ci, c in enumerate(convs):  # step 3
         empty = next((t for t, j in enumerate(slots[ci]) if not c["messages"][j]["content"].strip()), None)
         if empty is not None:
-            out.dropped.append(SkippedRecord(ci, f"conversation {ci}: the answer to turn {empty} is empty",
-                                             "empty_regenerated_answer"))
+            out.dropped.append(
+                SkippedRecord(ci, f"conversation {ci}: the answer to turn {empty} is empty", "empty_regenerated_answer")
+            )
             continue
         if drop_unfinished and ci in unfinished:
-            out.dropped.append(SkippedRecord(ci, f"conversation {ci}: an answer hit max_new_tokens {max_new_tokens}",
-                                             "unfinished_regenerated_answer"))
+            out.dropped.append(
+                SkippedRecord(
+                    ci,
+                    f"conversation {ci}: an answer hit max_new_tokens {max_new_tokens}",
+                    "unfinished_regenerated_answer",
+                )
+            )
             continue
         prov = dict(c.get("provenance") or {})
         prov["regenerated_by"] = regenerated_by

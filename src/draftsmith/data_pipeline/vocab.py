@@ -6,6 +6,7 @@ Convention (SafeAILab/EAGLE ``eagle/traineagle3/cnets.py``, SGLang ``llama_eagle
 Draft ids are assigned in increasing target-id order, so offsets are non-negative and the map is
 monotone. When Vd == V the map is the identity and no d2t/t2d is shipped.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -69,7 +70,7 @@ def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int, always_include:
         raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in 1..{v} (the target vocab size)")
     score = counts.double().clone()
     score[list(always_include)] = float("inf")
-    order = torch.sort(-score, stable=True).indices[:draft_vocab_size]   # count desc, ties by id asc
+    order = torch.sort(-score, stable=True).indices[:draft_vocab_size]  # count desc, ties by id asc
     chosen = torch.sort(order).values
     d2t = chosen - torch.arange(draft_vocab_size)
     t2d = torch.zeros(v, dtype=torch.bool)

@@ -12,6 +12,7 @@ bad recipe is reported in a fraction of a second) and ``drafter.py`` (the ``Draf
 model, training spec, proposer, export / check / load, card lines, memory). Adding a drafter is a new folder
 and one line in ``REGISTRY`` (README.md, "Adding a drafter"); the contract tests then run over it.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -40,8 +41,9 @@ def names() -> tuple[str, ...]:
 def check_name(name: object, where: str = "method") -> str:
     """``name`` when it is a registered drafter; else UnknownDrafterError naming ``where`` and the choices."""
     if name not in REGISTRY:
-        raise UnknownDrafterError(f"{where} {name!r} is not a drafter draftsmith implements; choose one of "
-                                  f"{', '.join(REGISTRY)}")
+        raise UnknownDrafterError(
+            f"{where} {name!r} is not a drafter draftsmith implements; choose one of {', '.join(REGISTRY)}"
+        )
     return str(name)
 
 

@@ -12,6 +12,7 @@ layers find it only through the registry (``drafters.get(name)``).
 What each method must do, and which contract tests hold it to that, is in its docstring; a drafter that
 cannot meet a contract names it in ``opt_outs`` with the reason (``tests/contract``).
 """
+
 from __future__ import annotations
 
 import abc
@@ -28,7 +29,7 @@ from draftsmith.precision import resolve_dtype
 
 logger = logging.getLogger(__name__)
 
-DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15     # request seed + offset seeds the drafter's sampling generator
+DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # request seed + offset seeds the drafter's sampling generator
 
 
 def draft_seed(seed: int | None) -> int | None:
@@ -99,8 +100,9 @@ class Drafter(abc.ABC):
 
     # --- serving ---------------------------------------------------------------------------------------------
     @abc.abstractmethod
-    def load(self, spec: SpeculativeConfig, target_model, tokenizer, allow_mismatch: Sequence[str] = ()
-             ) -> LoadedDrafter:
+    def load(
+        self, spec: SpeculativeConfig, target_model, tokenizer, allow_mismatch: Sequence[str] = ()
+    ) -> LoadedDrafter:
         """Check ``spec.model`` against the target (refusing a mismatch: ``HeadMismatchError`` naming the field)
         and load it on the target's device, in a dtype the device computes natively.
 
@@ -115,9 +117,15 @@ class Drafter(abc.ABC):
         return MemoryItems()
 
     # --- checking and exporting ------------------------------------------------------------------------------
-    def check(self, head_dir: str | Path, target_config: Any = None, tokenizer: Any = None,
-              name_or_path: str | None = None, allow_mismatch: Sequence[str] = (),
-              tensor_parallel_size: int | None = None):
+    def check(
+        self,
+        head_dir: str | Path,
+        target_config: Any = None,
+        tokenizer: Any = None,
+        name_or_path: str | None = None,
+        allow_mismatch: Sequence[str] = (),
+        tensor_parallel_size: int | None = None,
+    ):
         """Every check of ``draftsmith check`` (``export.check.CheckReport``); ``target_config`` None checks the
         export's own integrity. Raises HeadMismatchError naming the field, both values and the fix."""
         raise NotImplementedError(f"the {self.name} drafter writes no exports to check")
@@ -127,9 +135,18 @@ class Drafter(abc.ABC):
         the drafter is not trainable."""
         return None
 
-    def export(self, module: torch.nn.Module, out_dir: str | Path, identity: dict, target_config, *,
-               training: dict | None = None, formats: Sequence[str] = ("draftsmith",), k: int | None = None,
-               tokenizer=None) -> Path:
+    def export(
+        self,
+        module: torch.nn.Module,
+        out_dir: str | Path,
+        identity: dict,
+        target_config,
+        *,
+        training: dict | None = None,
+        formats: Sequence[str] = ("draftsmith",),
+        k: int | None = None,
+        tokenizer=None,
+    ) -> Path:
         """Write the trained ``module`` to ``out_dir`` (atomically: ``export.writer.staged_directory``) with
         draftsmith.json (``identity``: ``identity.target_identity``) and the model card; ``k`` is the
         num_speculative_tokens written into engine configs. Returns out_dir."""

@@ -9,6 +9,7 @@ Each drafter's ``config.py`` subclasses :class:`DrafterSection` as ``Section`` a
 ``--speculative-config`` (:class:`SpeculativeRules`: whether a ``model`` is required and what it is, which
 further keys it takes). ``draftsmith.config`` builds the subclass that ``method`` names (``variant``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

@@ -7,6 +7,7 @@
 Each call reads the head type recorded in the directory (a format sub-directory such as ``HEAD/speculators``
 resolves to its export root) and hands the work to that drafter (``drafters.get``).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,8 +27,10 @@ def export_root(path: str | Path) -> Path:
     for candidate in (path, path.parent):
         if (candidate / METADATA_FILE).is_file():
             return candidate
-    raise FileNotFoundError(f"{path}: no {METADATA_FILE}; not a draftsmith export (export one with `draftsmith "
-                            "train` / `draftsmith export`)")
+    raise FileNotFoundError(
+        f"{path}: no {METADATA_FILE}; not a draftsmith export (export one with `draftsmith "
+        "train` / `draftsmith export`)"
+    )
 
 
 def drafter_of(path: str | Path):
@@ -35,15 +38,21 @@ def drafter_of(path: str | Path):
     return drafters.get(read_metadata(export_root(path)).head_type)
 
 
-def check_export(head_dir: str | Path, target_config: Any = None, tokenizer: Any = None,
-                 name_or_path: str | None = None, allow_mismatch: Sequence[str] = (),
-                 tensor_parallel_size: int | None = None) -> CheckReport:
+def check_export(
+    head_dir: str | Path,
+    target_config: Any = None,
+    tokenizer: Any = None,
+    name_or_path: str | None = None,
+    allow_mismatch: Sequence[str] = (),
+    tensor_parallel_size: int | None = None,
+) -> CheckReport:
     """Every check of ``draftsmith check`` by the export's own drafter (``Drafter.check``).
 
     Raises HeadMismatchError naming the field, both values and the fix; FileNotFoundError for a directory that
     is not an export."""
-    return drafter_of(head_dir).check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch,
-                                      tensor_parallel_size)
+    return drafter_of(head_dir).check(
+        head_dir, target_config, tokenizer, name_or_path, allow_mismatch, tensor_parallel_size
+    )
 
 
 def write_card(head_dir: str | Path, report: dict | None = None, plot: str | Path | None = None) -> Path:

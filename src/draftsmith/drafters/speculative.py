@@ -9,6 +9,7 @@ method's own rules take (``drafters/<name>/config.py`` ``RULES``; e.g. ngram's `
 omitted it is inferred from ``model`` as vLLM does: the ``head_type`` of an exported directory's
 ``draftsmith.json``, else a plain causal LM (the draft-model method).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,9 +20,9 @@ from typing import Any, Mapping
 from draftsmith import drafters
 from draftsmith.sources import check_head_dir, check_model_source, is_head_dir
 
-METADATA_FILE = "draftsmith.json"          # marks an exported drafter directory (export.metadata.METADATA_FILE)
-PLAIN_LM = "draft_model"                    # what a model directory without draftsmith.json is drafted with
-LEGACY_HEAD_TYPE = "eagle3"                 # draftsmith.json written before head_type existed: an EAGLE-3 head
+METADATA_FILE = "draftsmith.json"  # marks an exported drafter directory (export.metadata.METADATA_FILE)
+PLAIN_LM = "draft_model"  # what a model directory without draftsmith.json is drafted with
+LEGACY_HEAD_TYPE = "eagle3"  # draftsmith.json written before head_type existed: an EAGLE-3 head
 GENERIC_KEYS = ("method", "model", "num_speculative_tokens")
 
 
@@ -63,15 +64,19 @@ class SpeculativeConfig:
         rules = drafters.config_module(self.method).RULES
         unknown = sorted(set(self.options) - set(rules.options))
         if unknown:
-            owners = sorted({n for n in drafters.names() for key in unknown
-                             if key in drafters.config_module(n).RULES.options})
+            owners = sorted(
+                {n for n in drafters.names() for key in unknown if key in drafters.config_module(n).RULES.options}
+            )
             elsewhere = f" ({', '.join(unknown)}: a key of {', '.join(owners)})" if owners else ""
-            raise ValueError(f"speculative config: unknown key(s) {', '.join(map(repr, unknown))} for method "
-                             f"{self.method!r}{elsewhere}; it takes {', '.join(GENERIC_KEYS + tuple(rules.options))}")
+            raise ValueError(
+                f"speculative config: unknown key(s) {', '.join(map(repr, unknown))} for method "
+                f"{self.method!r}{elsewhere}; it takes {', '.join(GENERIC_KEYS + tuple(rules.options))}"
+            )
         k = self.num_speculative_tokens
         if k is None:
-            raise ValueError("speculative config: 'num_speculative_tokens' is required (drafted tokens per step, "
-                             "e.g. 5)")
+            raise ValueError(
+                "speculative config: 'num_speculative_tokens' is required (drafted tokens per step, e.g. 5)"
+            )
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ValueError(f"speculative config: num_speculative_tokens must be an integer >= 1, got {k!r}")
         if self.model is not None and not isinstance(self.model, str):
@@ -79,8 +84,10 @@ class SpeculativeConfig:
         if rules.needs_model and self.model is None:
             raise ValueError(f"speculative config: method {self.method!r} needs 'model' ({rules.model_help})")
         if not rules.needs_model and self.model is not None:
-            raise ValueError(f"speculative config: method {self.method!r} takes no model (got {self.model!r}); "
-                             f"use a method that drafts with a model ({', '.join(_model_methods())})")
+            raise ValueError(
+                f"speculative config: method {self.method!r} takes no model (got {self.model!r}); "
+                f"use a method that drafts with a model ({', '.join(_model_methods())})"
+            )
         options = {**rules.options, **self.options}
         self.options = rules.fill(options) if rules.fill else options
 
@@ -145,7 +152,11 @@ def check_speculative_models(spec: Mapping[str, Any], where: str = "speculative 
         return
     if drafters.config_module(method).RULES.model_kind == "export":
         plain = [n for n in drafters.names() if drafters.config_module(n).RULES.model_kind == "model"]
-        check_head_dir(model, f"{where}: {method} model", hint=f"use method {' or '.join(plain)} for a plain model "
-                       "folder, or export one (`draftsmith train RECIPE` writes runs/NAME/head)")
+        check_head_dir(
+            model,
+            f"{where}: {method} model",
+            hint=f"use method {' or '.join(plain)} for a plain model "
+            "folder, or export one (`draftsmith train RECIPE` writes runs/NAME/head)",
+        )
     else:
         check_model_source(model, role=f"{where}: draft model")

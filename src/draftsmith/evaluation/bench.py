@@ -30,6 +30,7 @@ The engine serves one sequence at a time (``inference/engine.py``): with concurr
 so TTFT includes the wait. Timings use ``torch.set_num_threads(threads)``; numbers are medians because a
 shared machine is noisy. Writes ``report.json``, ``table.md`` and ``bench.png`` to ``--out``.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -64,9 +65,11 @@ from draftsmith.serve.server import BackgroundServer, create_app
 
 logger = logging.getLogger(__name__)
 
-SPEC_COUNTERS = {"drafts": "draftsmith:spec_decode_num_drafts_total",
-                 "draft_tokens": "draftsmith:spec_decode_num_draft_tokens_total",
-                 "accepted": "draftsmith:spec_decode_num_accepted_tokens_total"}
+SPEC_COUNTERS = {
+    "drafts": "draftsmith:spec_decode_num_drafts_total",
+    "draft_tokens": "draftsmith:spec_decode_num_draft_tokens_total",
+    "accepted": "draftsmith:spec_decode_num_accepted_tokens_total",
+}
 
 
 @dataclass
@@ -95,6 +98,7 @@ class BatchResult:
 
 # --- numbers -------------------------------------------------------------------------------------------------
 
+
 def distribution(values: Sequence[float]) -> dict[str, float | None]:
     """mean, p50 and p99 (numpy's linear-interpolated percentiles) of ``values``; all None when empty."""
 
@@ -111,8 +115,13 @@ def summarize(batches: Sequence[BatchResult], reference_texts: Sequence[str] | N
     no speculation). ``reference_texts`` (the no-speculation completions, in prompt order) gives the greedy
     mismatch count of the last round."""
     records = [r for b in batches for r in b.records]
-    per_round = [{"requests_per_s": len(b.records) / b.wall_s,
-                  "output_tokens_per_s": sum(r.tokens for r in b.records) / b.wall_s} for b in batches]
+    per_round = [
+        {
+            "requests_per_s": len(b.records) / b.wall_s,
+            "output_tokens_per_s": sum(r.tokens for r in b.records) / b.wall_s,
+        }
+        for b in batches
+    ]
     counters = {name: sum(b.counters.get(name, 0.0) for b in batches) for name in SPEC_COUNTERS}
     drafts, draft_tokens, accepted = counters["drafts"], counters["draft_tokens"], counters["accepted"]
     row = {
@@ -167,12 +176,17 @@ def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
 def format_table(report: dict) -> str:
     """Markdown table: one row per method (servers, then HF peers), ending with the verdict column."""
     cfg = report["config"]
-    head = (f"k={cfg['k']}, concurrency={cfg['concurrency']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']} "
-            f"max tokens, {cfg['rounds']} rounds, torch threads={cfg['threads']}, device={cfg['device']}")
-    lines = [head, "",
-             "| method | req/s | out tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p50 / p99 (ms) | accept | τ "
-             "| greedy diff | verdict |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    head = (
+        f"k={cfg['k']}, concurrency={cfg['concurrency']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']} "
+        f"max tokens, {cfg['rounds']} rounds, torch threads={cfg['threads']}, device={cfg['device']}"
+    )
+    lines = [
+        head,
+        "",
+        "| method | req/s | out tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p50 / p99 (ms) | accept | τ "
+        "| greedy diff | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for name, row in report["rows"].items():
         ttft, tpot = row["ttft_ms"], row["tpot_ms"]
         lines.append(
@@ -180,10 +194,14 @@ def format_table(report: dict) -> str:
             f"| {_fmt(ttft['mean'])} / {_fmt(ttft['p50'])} / {_fmt(ttft['p99'])} "
             f"| {_fmt(tpot['mean'])} / {_fmt(tpot['p50'])} / {_fmt(tpot['p99'])} "
             f"| {_fmt(row.get('acceptance_rate'), '.1%')} | {_fmt(row.get('tau'), '.2f')} "
-            f"| {row.get('greedy_mismatches', '-')} | {row.get('verdict', '')} |")
+            f"| {row.get('greedy_mismatches', '-')} | {row.get('verdict', '')} |"
+        )
     if any(name.startswith("hf:") for name in report["rows"]):
-        lines += ["", "hf:* rows: transformers generate, one request at a time; speedup vs hf:plain; their τ is "
-                      "tokens per target forward."]
+        lines += [
+            "",
+            "hf:* rows: transformers generate, one request at a time; speedup vs hf:plain; their τ is "
+            "tokens per target forward.",
+        ]
     return "\n".join(lines)
 
 
@@ -196,8 +214,10 @@ def plot_report(report: dict, path: str | Path) -> None:
 
     names = list(report["rows"])
     rows = [report["rows"][n] for n in names]
-    colors = ["#888888" if n in (BASELINE, HF_BASELINE) else ("#4c72b0" if not n.startswith("hf:") else "#dd8452")
-              for n in names]
+    colors = [
+        "#888888" if n in (BASELINE, HF_BASELINE) else ("#4c72b0" if not n.startswith("hf:") else "#dd8452")
+        for n in names
+    ]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     axes[0].bar(names, [r["output_tokens_per_s"] for r in rows], color=colors)
     axes[0].set_title("output tokens/s (median over rounds)")
@@ -233,6 +253,7 @@ def write_report(report: dict, out: str | Path) -> dict[str, Path]:
 
 # --- the client ----------------------------------------------------------------------------------------------
 
+
 def parse_metrics(text: str) -> dict[str, float]:
     """``{sample name{labels}: value}`` from a Prometheus text exposition (prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -246,8 +267,14 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 async def _stream_one(client, model: str, prompt: list[int], max_tokens: int) -> RequestRecord:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.perf_counter()
     first, text, tokens = None, [], 0
     async with client.stream("POST", "/v1/completions", json=body) as response:
@@ -256,7 +283,7 @@ async def _stream_one(client, model: str, prompt: list[int], max_tokens: int) ->
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            event = json.loads(line[len("data: "):])
+            event = json.loads(line[len("data: ") :])
             if "error" in event:
                 raise RuntimeError(f"server error mid-stream: {event['error']}")
             if event.get("usage"):
@@ -266,12 +293,14 @@ async def _stream_one(client, model: str, prompt: list[int], max_tokens: int) ->
                     first = first if first is not None else time.perf_counter()
                     text.append(choice["text"])
     end = time.perf_counter()
-    return RequestRecord(ttft_s=(first if first is not None else end) - start, latency_s=end - start, tokens=tokens,
-                         text="".join(text))
+    return RequestRecord(
+        ttft_s=(first if first is not None else end) - start, latency_s=end - start, tokens=tokens, text="".join(text)
+    )
 
 
-async def run_batch(url: str, model: str, prompts: Sequence[list[int]], max_tokens: int,
-                    concurrency: int) -> BatchResult:
+async def run_batch(
+    url: str, model: str, prompts: Sequence[list[int]], max_tokens: int, concurrency: int
+) -> BatchResult:
     """Send every prompt once to ``url`` with at most ``concurrency`` requests in flight.
 
     Returns records in prompt order, the wall time of the batch and the spec-decode counter deltas."""
@@ -285,6 +314,7 @@ async def run_batch(url: str, model: str, prompts: Sequence[list[int]], max_toke
         async def bounded(prompt):
             async with gate:
                 return await _stream_one(client, model, prompt, max_tokens)
+
         start = time.perf_counter()
         records = await asyncio.gather(*(bounded(p) for p in prompts))
         wall = time.perf_counter() - start
@@ -303,6 +333,7 @@ def describe_server(url: str) -> tuple[str, str]:
 
 
 # --- prompts, servers, the HF peer ---------------------------------------------------------------------------
+
 
 def load_prompts(tokenizer, num_prompts: int, tasks: Sequence[str]) -> list[list[int]]:
     """The first ``num_prompts`` held-out prompts (round robin over ``tasks``) as chat-templated token ids."""
@@ -331,19 +362,25 @@ class _TimingStreamer:
         pass
 
 
-def hf_peer(model, tokenizer, prompts: Sequence[list[int]], cfg: BenchConfig, eos_token_ids: Sequence[int],
-            draft=None) -> dict[str, list[BatchResult]]:
+def hf_peer(
+    model, tokenizer, prompts: Sequence[list[int]], cfg: BenchConfig, eos_token_ids: Sequence[int], draft=None
+) -> dict[str, list[BatchResult]]:
     """transformers ``generate`` on the same ids, one request at a time: plain, prompt lookup, assisted.
 
     Returns ``{name: [BatchResult per round]}``; ``counters`` hold target forwards ('forwards') so that
     τ = tokens per target forward can be reported."""
 
-    variants = {HF_BASELINE: {}, "hf:prompt_lookup": {"prompt_lookup_num_tokens": cfg.k,
-                                                      "max_matching_ngram_size": cfg.prompt_lookup_max}}
+    variants = {
+        HF_BASELINE: {},
+        "hf:prompt_lookup": {"prompt_lookup_num_tokens": cfg.k, "max_matching_ngram_size": cfg.prompt_lookup_max},
+    }
     if draft is not None:
         gc = draft.generation_config
-        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = cfg.k, \
-            "constant", 0.0
+        gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = (
+            cfg.k,
+            "constant",
+            0.0,
+        )
         variants["hf:assisted_draft_model"] = {"assistant_model": draft}
     forwards = [0]
     hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
@@ -359,14 +396,26 @@ def hf_peer(model, tokenizer, prompts: Sequence[list[int]], cfg: BenchConfig, eo
                     streamer = _TimingStreamer()
                     t0 = time.perf_counter()
                     with torch.inference_mode():
-                        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=cfg.max_tokens,
-                                             do_sample=False, eos_token_id=list(eos_token_ids),
-                                             pad_token_id=tokenizer.pad_token_id, streamer=streamer, **kwargs)
+                        out = model.generate(
+                            ids,
+                            attention_mask=torch.ones_like(ids),
+                            max_new_tokens=cfg.max_tokens,
+                            do_sample=False,
+                            eos_token_id=list(eos_token_ids),
+                            pad_token_id=tokenizer.pad_token_id,
+                            streamer=streamer,
+                            **kwargs,
+                        )
                     end = time.perf_counter()
-                    new = out[0, ids.shape[1]:].tolist()                 # EOS included, as the server counts
-                    records.append(RequestRecord(ttft_s=(streamer.times[0] if streamer.times else end) - t0,
-                                                 latency_s=end - t0, tokens=len(new),
-                                                 text=tokenizer.decode(new, skip_special_tokens=True)))
+                    new = out[0, ids.shape[1] :].tolist()  # EOS included, as the server counts
+                    records.append(
+                        RequestRecord(
+                            ttft_s=(streamer.times[0] if streamer.times else end) - t0,
+                            latency_s=end - t0,
+                            tokens=len(new),
+                            text=tokenizer.decode(new, skip_special_tokens=True),
+                        )
+                    )
                 wall = time.perf_counter() - start
                 results[name].append(BatchResult(records, wall, {"forwards": forwards[0] - counted}))
                 progress.set_postfix_str(f"{name}: {sum(r.tokens for r in records) / wall:.1f} tok/s")
@@ -397,7 +446,7 @@ async def _measure(servers: dict[str, tuple[str, str]], prompts, cfg: BenchConfi
     results: dict[str, list[BatchResult]] = {name: [] for name in names}
     with tqdm(total=cfg.rounds * len(names), desc="bench servers", unit="batch") as progress:
         for round_index in range(cfg.rounds):
-            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            order = names[round_index % len(names) :] + names[: round_index % len(names)]
             for name in order:
                 url, model = servers[name]
                 batch = await run_batch(url, model, prompts, cfg.max_tokens, cfg.concurrency)
@@ -421,20 +470,17 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
         MemoryPlanError: an in-process method does not fit. ValueError / FileNotFoundError: a bad method.
     """
 
-
     torch.set_num_threads(cfg.threads)
     specs = {} if cfg.urls else {m: speculative_config(m, cfg) for m in (cfg.methods or default_methods(cfg))}
     if model is None and not cfg.urls:
-
         for method, spec in specs.items():
-            plan_for_engine(cfg.target, spec, dtype=cfg.dtype, device=cfg.device,
-                            max_model_len=cfg.max_model_len).check()
+            plan_for_engine(
+                cfg.target, spec, dtype=cfg.dtype, device=cfg.device, max_model_len=cfg.max_model_len
+            ).check()
     if model is None and (not cfg.urls or cfg.hf_peer):
         model, tokenizer = load_causal_lm(cfg.target, dtype=cfg.dtype, role="target")
         model.to(cfg.device)
     if tokenizer is None:
-
-
         tokenizer = AutoTokenizer.from_pretrained(reference.resolve(cfg.target))
     prompts = list(prompts) if prompts is not None else load_prompts(tokenizer, cfg.num_prompts, cfg.tasks)
 
@@ -447,8 +493,7 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
                 servers[label if label not in servers else f"{label}@{url}"] = (url.rstrip("/"), name)
         else:
             for method, spec in specs.items():
-                engines[method] = Engine(model, tokenizer, spec, model_name=cfg.target,
-                                         max_model_len=cfg.max_model_len)
+                engines[method] = Engine(model, tokenizer, spec, model_name=cfg.target, max_model_len=cfg.max_model_len)
                 server = stack.enter_context(BackgroundServer(create_app(engines[method])))
                 servers[method] = (server.url, cfg.target)
         results = asyncio.run(_measure(servers, prompts, cfg))
@@ -456,7 +501,6 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
     rows = {name: summarize(batches, reference_texts) for name, batches in results.items()}
     add_verdicts(rows)
     if cfg.hf_peer:
-
         eos = stop_token_ids(model, tokenizer)
         draft = None
         if cfg.draft_model:
@@ -467,5 +511,3 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
         rows.update(hf_rows)
     config = asdict(cfg) | {"num_prompts": len(prompts), "torch": torch.__version__}
     return {"config": config, "rows": rows}
-
-

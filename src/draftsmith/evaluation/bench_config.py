@@ -1,5 +1,6 @@
 """``draftsmith bench``'s settings, command line and checks (torch-free: the CLI refuses bad arguments, missing
 models and heads before torch is imported). ``evaluation.bench`` runs the benchmark."""
+
 from __future__ import annotations
 
 import argparse
@@ -80,16 +81,21 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict | None:
         return None
     drafters.check_name(method, "bench method")
     rules = drafters.config_module(method).RULES
-    spec = {"method": method, "num_speculative_tokens": cfg.k,
-            **{key: getattr(cfg, key) for key in rules.options if getattr(cfg, key, None) is not None}}
+    spec = {
+        "method": method,
+        "num_speculative_tokens": cfg.k,
+        **{key: getattr(cfg, key) for key in rules.options if getattr(cfg, key, None) is not None},
+    }
     if not rules.needs_model:
         return spec
     if cfg.head and recorded_head_type(cfg.head) == method:
         return {**spec, "model": cfg.head}
     if rules.model_kind == "model":
         return {**spec, "model": cfg.draft_model}
-    raise FileNotFoundError(f"method {method} needs its exported directory (--head), got {cfg.head!r}; train one "
-                            f"(draftsmith train) or leave {method} out of --methods")
+    raise FileNotFoundError(
+        f"method {method} needs its exported directory (--head), got {cfg.head!r}; train one "
+        f"(draftsmith train) or leave {method} out of --methods"
+    )
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -97,14 +103,21 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     are checked by ``draftsmith.arguments`` types at parse time, the rest by ``check_config``."""
 
     d = BenchConfig()
-    p = parser or arg.ArgumentParser(prog="draftsmith bench",
-                                     description="serving benchmark with vs without speculation")
+    p = parser or arg.ArgumentParser(
+        prog="draftsmith bench", description="serving benchmark with vs without speculation"
+    )
     p.add_argument("--target", default=d.target)
-    p.add_argument("--methods", nargs="+", default=d.methods, choices=[BASELINE, *drafters.names()],
-                   help="servers to start: none (no speculation) and drafters (default: none, the head's drafter and "
-                        "every drafter needing no trained export)")
-    p.add_argument("--url", dest="urls", action="append", default=[], type=arg.url,
-                   help="a running server (repeatable)")
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=d.methods,
+        choices=[BASELINE, *drafters.names()],
+        help="servers to start: none (no speculation) and drafters (default: none, the head's drafter and "
+        "every drafter needing no trained export)",
+    )
+    p.add_argument(
+        "--url", dest="urls", action="append", default=[], type=arg.url, help="a running server (repeatable)"
+    )
     p.add_argument("--k", type=arg.positive_int, default=d.k)
     p.add_argument("--head", default=d.head, help="exported EAGLE-3 head directory")
     p.add_argument("--draft-model", default=d.draft_model)
@@ -134,26 +147,43 @@ def check_config(cfg: BenchConfig) -> None:
     """
 
     if cfg.prompt_lookup_min > cfg.prompt_lookup_max:
-        raise ValueError(f"--prompt-lookup-min {cfg.prompt_lookup_min} > --prompt-lookup-max {cfg.prompt_lookup_max}; "
-                         f"pass min <= max")
+        raise ValueError(
+            f"--prompt-lookup-min {cfg.prompt_lookup_min} > --prompt-lookup-max {cfg.prompt_lookup_max}; "
+            f"pass min <= max"
+        )
     sizes = [sum(1 for _ in (reference.TASKS_DIR / f"{t}.jsonl").open()) for t in cfg.tasks]
-    available = next(i for i in range(sum(sizes) + 1)                 # prompt i: task i % n, record i // n
-                     if i == sum(sizes) or i // len(sizes) >= sizes[i % len(sizes)])
+    available = next(
+        i
+        for i in range(sum(sizes) + 1)  # prompt i: task i % n, record i // n
+        if i == sum(sizes) or i // len(sizes) >= sizes[i % len(sizes)]
+    )
     if cfg.num_prompts > available:
-        raise ValueError(f"--num-prompts {cfg.num_prompts}: tasks {', '.join(cfg.tasks)} give {available} prompts "
-                         f"round robin; pass --num-prompts <= {available} or more --tasks")
+        raise ValueError(
+            f"--num-prompts {cfg.num_prompts}: tasks {', '.join(cfg.tasks)} give {available} prompts "
+            f"round robin; pass --num-prompts <= {available} or more --tasks"
+        )
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out!r} is a file; pass a directory for report.json, table.md and bench.png")
     check_model_source(cfg.target, role="target")
     methods = [] if cfg.urls else (cfg.methods or default_methods(cfg))
-    exports = [m for m in methods if m != BASELINE and drafters.config_module(m).RULES.model_kind == "export"
-               and drafters.config_module(m).RULES.needs_model]
+    exports = [
+        m
+        for m in methods
+        if m != BASELINE
+        and drafters.config_module(m).RULES.model_kind == "export"
+        and drafters.config_module(m).RULES.needs_model
+    ]
     if exports:
         if not cfg.head:
-            raise ModelSourceError(f"method {exports[0]} needs its exported directory (--head DIR); train one "
-                                   f"(draftsmith train) or leave {exports[0]} out of --methods")
-        check_head_dir(cfg.head, role=f"--head (method {exports[0]})",
-                       hint=f"train one (draftsmith train RECIPE) or leave {exports[0]} out of --methods")
+            raise ModelSourceError(
+                f"method {exports[0]} needs its exported directory (--head DIR); train one "
+                f"(draftsmith train) or leave {exports[0]} out of --methods"
+            )
+        check_head_dir(
+            cfg.head,
+            role=f"--head (method {exports[0]})",
+            hint=f"train one (draftsmith train RECIPE) or leave {exports[0]} out of --methods",
+        )
     plain_lm = [m for m in methods if m != BASELINE and drafters.config_module(m).RULES.model_kind == "model"]
     if cfg.draft_model and (cfg.hf_peer or plain_lm):
         check_model_source(cfg.draft_model, role="--draft-model")

@@ -1,4 +1,5 @@
 """The recipe's ``eval`` section (torch-free: checked before any model loads)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -16,6 +17,6 @@ class EvalConfig:
     #: ``--speculative-config``; k defaults to the recipe drafter's, so rows compare at the same k), e.g.
     #: ``ngram: {method: ngram, prompt_lookup_min: 2}``, ``distilled: {method: draft_model, model: DIR}``
     drafters: dict[str, dict] = field(default_factory=dict)
-    prompts_per_task: int | None = None     #: None = the whole task
+    prompts_per_task: int | None = None  #: None = the whole task
     max_new_tokens: int = 128
-    threads: int | None = 2                 #: torch CPU threads while timing
+    threads: int | None = 2  #: torch CPU threads while timing

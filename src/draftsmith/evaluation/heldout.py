@@ -13,6 +13,7 @@ For each task and prompt, plain greedy decoding runs first, then each method on 
 With temperature 0 every method must reproduce the plain output token for token; a mismatch is
 counted and reported (it would be a bug). Metric definitions follow vLLM's spec-decode metrics.
 """
+
 from __future__ import annotations
 
 import time
@@ -53,14 +54,21 @@ class MethodResult:
     def row(self, plain_seconds: float) -> dict:
         s = self.stats
         drafts = max(1, s.num_drafts)
-        return {"tau": s.acceptance_length, "acceptance_rate": s.acceptance_rate,
-                "accepted_per_pos": [a / drafts for a in s.accepted_per_pos],
-                "num_drafts": s.num_drafts, "num_draft_tokens": s.num_draft_tokens,
-                "num_accepted_tokens": s.num_accepted_tokens, "new_tokens": self.new_tokens,
-                "seconds": self.seconds, "tokens_per_s": self.new_tokens / max(self.seconds, 1e-9),
-                "speedup": plain_seconds / max(self.seconds, 1e-9), "greedy_mismatches": self.mismatches,
-                "draft_seconds": self.draft_seconds,
-                "draft_ms_per_token": 1000 * self.draft_seconds / s.num_draft_tokens if s.num_draft_tokens else None}
+        return {
+            "tau": s.acceptance_length,
+            "acceptance_rate": s.acceptance_rate,
+            "accepted_per_pos": [a / drafts for a in s.accepted_per_pos],
+            "num_drafts": s.num_drafts,
+            "num_draft_tokens": s.num_draft_tokens,
+            "num_accepted_tokens": s.num_accepted_tokens,
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.new_tokens / max(self.seconds, 1e-9),
+            "speedup": plain_seconds / max(self.seconds, 1e-9),
+            "greedy_mismatches": self.mismatches,
+            "draft_seconds": self.draft_seconds,
+            "draft_ms_per_token": 1000 * self.draft_seconds / s.num_draft_tokens if s.num_draft_tokens else None,
+        }
 
 
 def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[str, EvalRow], cfg: EvalConfig) -> dict:
@@ -79,10 +87,18 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
     plain_target = TargetModel(target_model, tokenizer)
     gen = GenerationConfig(max_new_tokens=cfg.max_new_tokens, eos_token_ids=stop_token_ids(target_model, tokenizer))
     ks = {label: row.k for label, row in rows.items()}
-    report = {"config": {"k": max(ks.values(), default=0), "ks": ks, "max_new_tokens": cfg.max_new_tokens,
-                         "methods": list(rows)}, "tasks": {}}
-    tasks = {task: records[: cfg.prompts_per_task] if cfg.prompts_per_task else records
-             for task, records in tasks.items()}
+    report = {
+        "config": {
+            "k": max(ks.values(), default=0),
+            "ks": ks,
+            "max_new_tokens": cfg.max_new_tokens,
+            "methods": list(rows),
+        },
+        "tasks": {},
+    }
+    tasks = {
+        task: records[: cfg.prompts_per_task] if cfg.prompts_per_task else records for task, records in tasks.items()
+    }
     prompts = {task: [prompt_ids(tokenizer, rec["messages"]) for rec in records] for task, records in tasks.items()}
     _check_lengths(tasks, prompts, cfg.max_new_tokens, plain_target.position_limit)
     for task, records in tasks.items():
@@ -107,30 +123,46 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
                 r.mismatches += int(out.tokens != plain.tokens)
         report["tasks"][task] = {
             "prompts": len(records),
-            "plain": {"new_tokens": plain_tokens, "seconds": plain_seconds,
-                      "tokens_per_s": plain_tokens / max(plain_seconds, 1e-9),
-                      "ms_per_token": 1000 * plain_seconds / max(plain_tokens, 1)},
+            "plain": {
+                "new_tokens": plain_tokens,
+                "seconds": plain_seconds,
+                "tokens_per_s": plain_tokens / max(plain_seconds, 1e-9),
+                "ms_per_token": 1000 * plain_seconds / max(plain_tokens, 1),
+            },
             **{label: r.row(plain_seconds) for label, r in results.items()},
         }
     return report
 
 
-def _check_lengths(tasks: dict[str, list[dict]], prompts: dict[str, list[list[int]]], max_new_tokens: int,
-                   limit: tuple[str, int] | None) -> None:
+def _check_lengths(
+    tasks: dict[str, list[dict]],
+    prompts: dict[str, list[list[int]]],
+    max_new_tokens: int,
+    limit: tuple[str, int] | None,
+) -> None:
     """Refuse, before anything runs, prompts whose length + max_new_tokens exceeds the target's position limit
     (``TargetModel.position_limit``), naming them (task/id) and the fix."""
     if limit is None:
         return
     key, n = limit
-    long = [(f"{task}/{rec.get('id', i)}", len(ids)) for task, records in tasks.items()
-            for i, (rec, ids) in enumerate(zip(records, prompts[task])) if len(ids) + max_new_tokens > n]
+    long = [
+        (f"{task}/{rec.get('id', i)}", len(ids))
+        for task, records in tasks.items()
+        for i, (rec, ids) in enumerate(zip(records, prompts[task]))
+        if len(ids) + max_new_tokens > n
+    ]
     if long:
         longest = max(length for _, length in long)
         names = ", ".join(f"{name} ({length} tokens)" for name, length in long[:5])
-        fix = (f"lower eval.max_new_tokens to {n - longest} or leave them out" if longest < n
-               else f"leave them out (the longest alone has {longest} tokens)")
-        raise ValueError(f"{len(long)} eval prompt(s) + max_new_tokens={max_new_tokens} exceed the target's {key} "
-                         f"({n}): {names}{' ...' if len(long) > 5 else ''}; {fix}")
+        fix = (
+            f"lower eval.max_new_tokens to {n - longest} or leave them out"
+            if longest < n
+            else f"leave them out (the longest alone has {longest} tokens)"
+        )
+        raise ValueError(
+            f"{len(long)} eval prompt(s) + max_new_tokens={max_new_tokens} exceed the target's {key} "
+            f"({n}): {names}{' ...' if len(long) > 5 else ''}; {fix}"
+        )
 
 
 def format_table(report: dict) -> str:
@@ -140,13 +172,17 @@ def format_table(report: dict) -> str:
     for task, rows in report["tasks"].items():
         plain = rows["plain"]
         ms = plain.get("ms_per_token")
-        lines.append(f"{task:<15}{'plain':<16}{'':>7}{'':>9}{f'({ms:.2f})' if ms is not None else '':>14}"
-                     f"{plain['tokens_per_s']:>9.1f}{1.0:>8.2f}x")
+        lines.append(
+            f"{task:<15}{'plain':<16}{'':>7}{'':>9}{f'({ms:.2f})' if ms is not None else '':>14}"
+            f"{plain['tokens_per_s']:>9.1f}{1.0:>8.2f}x"
+        )
         for method in report["config"]["methods"]:
             r = rows[method]
             cost = r.get("draft_ms_per_token")
-            lines.append(f"{'':<15}{method:<16}{r['tau']:>7.2f}{r['acceptance_rate']:>8.1%}"
-                         f"{f'{cost:.2f}' if cost is not None else '-':>14}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x")
+            lines.append(
+                f"{'':<15}{method:<16}{r['tau']:>7.2f}{r['acceptance_rate']:>8.1%}"
+                f"{f'{cost:.2f}' if cost is not None else '-':>14}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x"
+            )
     return "\n".join(lines)
 
 
@@ -162,8 +198,12 @@ def plot_acceptance(report: dict, path) -> None:
     for ax, task in zip(axes[0], tasks):
         for method in report["config"]["methods"]:
             per_pos = report["tasks"][task][method]["accepted_per_pos"]
-            ax.plot(range(1, len(per_pos) + 1), per_pos, marker="o",
-                    label=f"{method} (τ={report['tasks'][task][method]['tau']:.2f})")
+            ax.plot(
+                range(1, len(per_pos) + 1),
+                per_pos,
+                marker="o",
+                label=f"{method} (τ={report['tasks'][task][method]['tau']:.2f})",
+            )
         ax.set_title(task)
         ax.set_xlabel("draft position")
         ax.set_ylim(0, 1)

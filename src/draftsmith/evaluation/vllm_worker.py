@@ -4,6 +4,7 @@ It imports the standard library and vLLM only (draftsmith is not installed in th
 prompts one at a time as token ids; the spec-decode counters are read from ``LLM.get_metrics()`` before and
 after each prompt. The job and result files are JSON (``referee.vllm_job``, ``referee.run_vllm``).
 """
+
 from __future__ import annotations
 
 import json
@@ -22,12 +23,21 @@ def main(job_path: str) -> None:
     model, spec = job["target"], None
     if job["draft"] and model:
         spec = {"method": job["method"], "model": job["draft"], "num_speculative_tokens": job["k"]}
-    elif job["draft"]:                              # `vllm serve HEAD/speculators`: the config names the target
+    elif job["draft"]:  # `vllm serve HEAD/speculators`: the config names the target
         model, spec = job["draft"], {"num_speculative_tokens": job["k"]}
     t0 = time.perf_counter()
-    llm = LLM(model=model, tokenizer=job["target"], speculative_config=spec, dtype=job["dtype"],
-              max_model_len=job["max_model_len"], max_num_seqs=1, seed=0, enforce_eager=job["enforce_eager"],
-              generation_config="vllm", disable_log_stats=False)
+    llm = LLM(
+        model=model,
+        tokenizer=job["target"],
+        speculative_config=spec,
+        dtype=job["dtype"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=1,
+        seed=0,
+        enforce_eager=job["enforce_eager"],
+        generation_config="vllm",
+        disable_log_stats=False,
+    )
     startup = time.perf_counter() - t0
 
     def counters() -> dict:
@@ -40,8 +50,9 @@ def main(job_path: str) -> None:
                 c[name] += int(m.value)
         return c
 
-    params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], stop_token_ids=job["stop_token_ids"],
-                            detokenize=False)
+    params = SamplingParams(
+        temperature=0.0, max_tokens=job["max_tokens"], stop_token_ids=job["stop_token_ids"], detokenize=False
+    )
     outputs, per_prompt = [], []
     t0 = time.perf_counter()
     for ids in job["prompts"]:
@@ -51,9 +62,15 @@ def main(job_path: str) -> None:
         out = res.outputs[0]
         outputs.append({"tokens": list(out.token_ids), "finish_reason": out.finish_reason})
         per_prompt.append({"before": before, "after": after})
-    result = {"vllm_version": vllm.__version__, "startup_s": startup, "decode_s": time.perf_counter() - t0,
-              "outputs": outputs, "counters": per_prompt, "speculative_config": spec,
-              "served_model": llm.llm_engine.model_config.model}
+    result = {
+        "vllm_version": vllm.__version__,
+        "startup_s": startup,
+        "decode_s": time.perf_counter() - t0,
+        "outputs": outputs,
+        "counters": per_prompt,
+        "speculative_config": spec,
+        "served_model": llm.llm_engine.model_config.model,
+    }
     Path(job["result"]).write_text(json.dumps(result))
 
 

@@ -10,6 +10,7 @@ table (τ, acceptance rate, accepted per draft position; tokens/s and speedup wh
 the acceptance-per-position plot, and the engines a referee run verified the head with (``draftsmith.json``
 ``referee``).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -32,8 +33,12 @@ def _rows_from_report(report: dict) -> tuple[int, list[tuple[str, str, dict]]]:
 
 def _rows_from_metadata(eval_record: dict) -> tuple[int | None, list[tuple[str, str, dict]]]:
     """(k, rows) from the compact record ``pipeline.demo`` stores in draftsmith.json ``eval``."""
-    rows = [(task, m, r) for task, methods in (eval_record.get("tasks") or {}).items()
-            for m, r in methods.items() if isinstance(r, dict) and "tau" in r]
+    rows = [
+        (task, m, r)
+        for task, methods in (eval_record.get("tasks") or {}).items()
+        for m, r in methods.items()
+        if isinstance(r, dict) and "tau" in r
+    ]
     return eval_record.get("k"), rows
 
 
@@ -63,12 +68,20 @@ def acceptance_table(rows: list[tuple[str, str, dict]], k: int | None) -> str:
 def _referee_lines(referee: dict) -> list[str]:
     if not referee:
         return []
-    lines = ["## Verified with", "", "Greedy outputs and accepted-per-position counters equal to draftsmith's "
-             "own runtime on held-out prompts (`bench/vllm_referee.py`):", "",
-             "| engine | version | format | k | prompts | match | checked |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "## Verified with",
+        "",
+        "Greedy outputs and accepted-per-position counters equal to draftsmith's "
+        "own runtime on held-out prompts (`bench/vllm_referee.py`):",
+        "",
+        "| engine | version | format | k | prompts | match | checked |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for v in sorted(referee.values(), key=lambda v: (v.get("engine", ""), v.get("format", ""), v.get("k", 0))):
-        lines.append(f"| {v.get('engine')} | {v.get('version')} | {v.get('format')} | {v.get('k')} | "
-                     f"{v.get('prompts')} | {'yes' if v.get('match') else 'no'} | {v.get('checked_at', '')} |")
+        lines.append(
+            f"| {v.get('engine')} | {v.get('version')} | {v.get('format')} | {v.get('k')} | "
+            f"{v.get('prompts')} | {'yes' if v.get('match') else 'no'} | {v.get('checked_at', '')} |"
+        )
     return lines + [""]
 
 
@@ -88,9 +101,14 @@ def refresh_verified_section(head_dir: str | Path) -> Path | None:
     return path
 
 
-def write_model_card(head_dir: str | Path, header: Callable[[Path, object, int | None], list[str]],
-                     report: dict | None = None, plot: str | Path | None = None, *,
-                     serve_dir: str | Path | None = None) -> Path:
+def write_model_card(
+    head_dir: str | Path,
+    header: Callable[[Path, object, int | None], list[str]],
+    report: dict | None = None,
+    plot: str | Path | None = None,
+    *,
+    serve_dir: str | Path | None = None,
+) -> Path:
     """Write ``head_dir/README.md`` (and copy ``plot`` beside it as acceptance.png); returns the card's path.
 
     ``header(serve_dir, metadata, k)`` gives the drafter's own lines (front matter, serve commands, geometry:
@@ -105,9 +123,14 @@ def write_model_card(head_dir: str | Path, header: Callable[[Path, object, int |
     k, rows = _rows_from_report(report) if report else _rows_from_metadata(meta.eval or {})
     lines = list(header(Path(serve_dir or head_dir), meta, k))
     if rows:
-        lines += [f"## Held-out acceptance (greedy{f', k = {k}' if k else ''})", "",
-                  "τ = 1 + accepted / drafts; pos i = share of drafts whose i-th token was accepted.", "",
-                  acceptance_table(rows, k), ""]
+        lines += [
+            f"## Held-out acceptance (greedy{f', k = {k}' if k else ''})",
+            "",
+            "τ = 1 + accepted / drafts; pos i = share of drafts whose i-th token was accepted.",
+            "",
+            acceptance_table(rows, k),
+            "",
+        ]
     if plot and Path(plot).is_file() and Path(plot).resolve() != (head_dir / PLOT_FILE).resolve():
         shutil.copyfile(plot, head_dir / PLOT_FILE)
     if (head_dir / PLOT_FILE).is_file():

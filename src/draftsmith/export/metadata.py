@@ -20,6 +20,7 @@ Fields (format_version 1):
 - ``weights``: {relative file path: sha256 of its bytes} for every weight file in the directory;
 - ``created_at``: UTC ISO-8601 time of the export.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,10 +53,11 @@ class HeadMismatchError(ValueError):
 @dataclass
 class HeadMetadata:
     """The parsed ``draftsmith.json`` (see module docstring for each field)."""
+
     head_type: str
     head_config: dict
-    ttt_steps: int | None = field(default=None, kw_only=True)          # required for eagle3 (from_dict)
-    aux_layer_ids: list[int] | None = field(default=None, kw_only=True)   # required for eagle3 (from_dict)
+    ttt_steps: int | None = field(default=None, kw_only=True)  # required for eagle3 (from_dict)
+    aux_layer_ids: list[int] | None = field(default=None, kw_only=True)  # required for eagle3 (from_dict)
     draft_vocab_size: int
     target: dict
     weights: dict[str, str]
@@ -77,31 +79,43 @@ class HeadMetadata:
         """Parse, refusing a newer ``format_version``, unknown keys and missing required keys."""
         version = d.get("format_version")
         if not isinstance(version, int):
-            raise HeadMismatchError("format_version", f"{source}: format_version is {version!r}, expected an "
-                                    f"integer. Fix: re-export the head with draftsmith.")
+            raise HeadMismatchError(
+                "format_version",
+                f"{source}: format_version is {version!r}, expected an "
+                f"integer. Fix: re-export the head with draftsmith.",
+            )
         if version > FORMAT_VERSION:
-            raise HeadMismatchError("format_version", f"{source}: format_version {version} is newer than this "
-                                    f"draftsmith runtime reads (<= {FORMAT_VERSION}). Fix: upgrade draftsmith "
-                                    f"(pip install -U draftsmith).")
+            raise HeadMismatchError(
+                "format_version",
+                f"{source}: format_version {version} is newer than this "
+                f"draftsmith runtime reads (<= {FORMAT_VERSION}). Fix: upgrade draftsmith "
+                f"(pip install -U draftsmith).",
+            )
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:
-            raise HeadMismatchError("format_version", f"{source}: unknown key(s) {', '.join(unknown)} for "
-                                    f"format_version {version}. Fix: upgrade draftsmith, or re-export the head.")
-        required = {f.name for f in dataclasses.fields(cls)
-                    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+            raise HeadMismatchError(
+                "format_version",
+                f"{source}: unknown key(s) {', '.join(unknown)} for "
+                f"format_version {version}. Fix: upgrade draftsmith, or re-export the head.",
+            )
+        required = {
+            f.name
+            for f in dataclasses.fields(cls)
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+        }
         missing = sorted(required - set(d))
         if missing:
-            raise HeadMismatchError(missing[0], f"{source}: missing key(s) {', '.join(missing)}. "
-                                    f"Fix: re-export the head with draftsmith.")
+            raise HeadMismatchError(
+                missing[0], f"{source}: missing key(s) {', '.join(missing)}. Fix: re-export the head with draftsmith."
+            )
         return cls(**d)
 
 
 def toolkit_info() -> dict:
     """{name, version, git_sha}: git_sha is HEAD of the draftsmith checkout, None when not in one."""
 
-    return {"name": "draftsmith", "version": draftsmith.__version__,
-            "git_sha": _git_sha(draftsmith.checkout_root())}
+    return {"name": "draftsmith", "version": draftsmith.__version__, "git_sha": _git_sha(draftsmith.checkout_root())}
 
 
 def _git_sha(root: Path | None) -> str | None:
@@ -110,8 +124,7 @@ def _git_sha(root: Path | None) -> str | None:
     if root is None:
         return None
     try:
-        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
-                             text=True, timeout=10)
+        out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
     sha = out.stdout.strip()
@@ -138,8 +151,9 @@ def read_metadata(head_dir: str | Path) -> HeadMetadata:
     """Read ``head_dir/draftsmith.json``; FileNotFoundError names the directory when absent."""
     path = Path(head_dir) / METADATA_FILE
     if not path.is_file():
-        raise FileNotFoundError(f"{head_dir}: no {METADATA_FILE}; not a draftsmith head directory "
-                                f"(export one with `draftsmith export`)")
+        raise FileNotFoundError(
+            f"{head_dir}: no {METADATA_FILE}; not a draftsmith head directory (export one with `draftsmith export`)"
+        )
     return HeadMetadata.from_dict(json.loads(path.read_text(encoding="utf-8")), source=str(path))
 
 
@@ -149,8 +163,9 @@ def write_metadata(head_dir: str | Path, meta: HeadMetadata) -> Path:
     return path
 
 
-def update_metadata(head_dir: str | Path, *, eval: dict | None = None, training: dict | None = None,
-                    referee: dict | None = None) -> HeadMetadata:
+def update_metadata(
+    head_dir: str | Path, *, eval: dict | None = None, training: dict | None = None, referee: dict | None = None
+) -> HeadMetadata:
     """Merge ``eval`` / ``training`` / ``referee`` entries (shallow, by key) into an exported head's metadata."""
     meta = read_metadata(head_dir)
     if eval:

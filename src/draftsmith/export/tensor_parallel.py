@@ -4,6 +4,7 @@ vLLM and SGLang split attention heads, KV heads (replicated when fewer than N, i
 them) and the MLP's intermediate size across ranks (vLLM ``ColumnParallelLinear`` /
 ``QKVParallelLinear``); a head whose sizes do not divide fails at load time there, on the GPU box.
 """
+
 from __future__ import annotations
 
 
@@ -18,8 +19,9 @@ def tensor_parallel_problems(config: dict, tp_size: int, what: str = "head") -> 
     if heads is not None and heads % tp_size:
         problems.append(f"{what}: num_attention_heads {heads} is not divisible by tensor_parallel_size {tp_size}")
     if kv is not None and kv % tp_size and tp_size % kv:
-        problems.append(f"{what}: num_key_value_heads {kv} neither divides nor is divisible by "
-                        f"tensor_parallel_size {tp_size}")
+        problems.append(
+            f"{what}: num_key_value_heads {kv} neither divides nor is divisible by tensor_parallel_size {tp_size}"
+        )
     if inter is not None and inter % tp_size:
         problems.append(f"{what}: intermediate_size {inter} is not divisible by tensor_parallel_size {tp_size}")
     return problems

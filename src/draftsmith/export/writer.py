@@ -7,6 +7,7 @@ fsynced, then renamed into place (a previous export there is replaced, anything 
 
 Every drafter's exporter writes through this (``drafters/<name>/export.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -26,8 +27,9 @@ logger = logging.getLogger(__name__)
 
 def save_safetensors(sd: dict[str, torch.Tensor], path: Path) -> None:
 
-    save_file({k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}, str(path),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.detach().to("cpu").contiguous().clone() for k, v in sd.items()}, str(path), metadata={"format": "pt"}
+    )
 
 
 def _fsync_tree(root: Path) -> None:
@@ -59,8 +61,9 @@ def _install(tmp: Path, out_dir: Path) -> None:
     other non-empty directory is refused."""
     if out_dir.exists():
         if any(out_dir.iterdir()) and not (out_dir / METADATA_FILE).is_file():
-            raise FileExistsError(f"{out_dir} exists, is not empty and is not a draftsmith head; "
-                                  f"choose another output directory")
+            raise FileExistsError(
+                f"{out_dir} exists, is not empty and is not a draftsmith head; choose another output directory"
+            )
         old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
         os.replace(out_dir, old / out_dir.name)
         try:
@@ -72,5 +75,3 @@ def _install(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, out_dir)
-
-

@@ -4,6 +4,7 @@ The head is checked for integrity first (``drafters.directory.check_export`` wit
 sha256, tensor names and shapes, vocab map), so a corrupted export is never published. The token
 comes from the usual places (``HF_TOKEN``, ``huggingface-cli login``) through huggingface_hub.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -25,8 +26,10 @@ class PushPlan:
 
     def summary(self) -> str:
         total = sum(size for _, size in self.files)
-        lines = [f"{self.repo_id}@{self.revision or 'main'} ({'private' if self.private else 'public'}): "
-                 f"{len(self.files)} files, {total / 1e6:.1f} MB"]
+        lines = [
+            f"{self.repo_id}@{self.revision or 'main'} ({'private' if self.private else 'public'}): "
+            f"{len(self.files)} files, {total / 1e6:.1f} MB"
+        ]
         lines += [f"  {name}  {size:,} B" for name, size in self.files]
         return "\n".join(lines)
 
@@ -39,14 +42,24 @@ def plan_push(head_dir: str | Path, repo_id: str, revision: str | None = None, p
     if repo_id.count("/") != 1 or not all(repo_id.split("/")):
         raise ValueError(f"repo id {repo_id!r} must look like ORG/NAME")
     check_export(head_dir, None)
-    files = sorted((str(p.relative_to(head_dir)), p.stat().st_size) for p in head_dir.rglob("*")
-                   if p.is_file() and not any(part.startswith(".") for part in p.relative_to(head_dir).parts)
-                   and not p.name.endswith(".tmp"))
+    files = sorted(
+        (str(p.relative_to(head_dir)), p.stat().st_size)
+        for p in head_dir.rglob("*")
+        if p.is_file()
+        and not any(part.startswith(".") for part in p.relative_to(head_dir).parts)
+        and not p.name.endswith(".tmp")
+    )
     return PushPlan(repo_id, revision, private, files)
 
 
-def push_head(head_dir: str | Path, repo_id: str, revision: str | None = None, private: bool = False,
-              dry_run: bool = False, token: str | None = None) -> PushPlan:
+def push_head(
+    head_dir: str | Path,
+    repo_id: str,
+    revision: str | None = None,
+    private: bool = False,
+    dry_run: bool = False,
+    token: str | None = None,
+) -> PushPlan:
     """Upload ``head_dir`` to model repo ``repo_id`` (created if absent; branch ``revision`` too).
 
     With ``dry_run`` nothing is sent and the plan is returned."""
@@ -58,6 +71,12 @@ def push_head(head_dir: str | Path, repo_id: str, revision: str | None = None, p
     api.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
     if revision:
         api.create_branch(repo_id, branch=revision, repo_type="model", exist_ok=True)
-    api.upload_folder(folder_path=str(head_dir), repo_id=repo_id, repo_type="model", revision=revision,
-                      commit_message="Upload draftsmith head", ignore_patterns=[".*", "*.tmp"])
+    api.upload_folder(
+        folder_path=str(head_dir),
+        repo_id=repo_id,
+        repo_type="model",
+        revision=revision,
+        commit_message="Upload draftsmith head",
+        ignore_patterns=[".*", "*.tmp"],
+    )
     return plan

@@ -16,6 +16,7 @@ settings in a section per drafter (``head`` for eagle3, ``draft_model``, ``mlp_s
 ``num_speculative_tokens``) and labelled ``eval.drafters`` rows; the aux layers of an old ``head`` section of
 a non-EAGLE-3 recipe (what its offline capture stored) become ``capture.aux_layer_ids``.
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,7 +36,7 @@ logger = logging.getLogger(__name__)
 #: names the further keys that configured its row (``LEGACY_EVAL_KEYS``) and applies their 0.1 defaults
 #: (``legacy_eval_row``); 0.1's default rows were the drafters whose config module says ``LEGACY_IN_DEFAULT_EVAL``
 LEGACY_EVAL_KEYS = ("k", "methods")
-LEGACY_K = 5                      #: 0.1's default eval.k
+LEGACY_K = 5  #: 0.1's default eval.k
 
 
 @dataclass
@@ -47,7 +48,7 @@ class TargetConfig:
     #: float32 | bfloat16 | float16 | auto (the model's own dtype where the device computes it natively, else
     #: float32: ``draftsmith.precision.resolve_dtype``); capture and serving must use the same
     dtype: str = "float32"
-    device: str = "auto"         #: where the target runs: auto (cuda when available, else cpu) | cpu | cuda | cuda:N
+    device: str = "auto"  #: where the target runs: auto (cuda when available, else cpu) | cpu | cuda | cuda:N
 
 
 @dataclass
@@ -61,9 +62,9 @@ class ExportConfig:
 class CaptureConfig:
     """Offline capture (``draftsmith capture``): hidden-state shards written under ``runs/NAME/capture``."""
 
-    shard_size: int = 512                 #: conversations per shard
-    batch_size: int = 8                   #: sequences per target forward
-    dtype: str | None = None              #: stored hidden-state dtype, recorded; must be target.dtype (None = it)
+    shard_size: int = 512  #: conversations per shard
+    batch_size: int = 8  #: sequences per target forward
+    dtype: str | None = None  #: stored hidden-state dtype, recorded; must be target.dtype (None = it)
     #: target layers whose hidden states are stored (HF hidden_states index, ascending); None = the ones the
     #: drafter reads, else the default (2, N//2, N-3). Every capture also stores the final hidden state.
     aux_layer_ids: list[int] | None = None
@@ -98,24 +99,28 @@ class Recipe:
         eval settings configured its comparison row (``legacy_eval_row``)."""
         legacy = {name: getattr(drafters.config_module(name), "LEGACY_SECTION", None) for name in drafters.names()}
         sections = {key for key in legacy.values() if key}
-        eval_keys = LEGACY_EVAL_KEYS + tuple(key for name in drafters.names()
-                                             for key in getattr(drafters.config_module(name), "LEGACY_EVAL_KEYS", ()))
-        if not isinstance(data, dict) or not ({"method"} | sections) & set(data) and \
-                not set(data.get("eval") or {}) & set(eval_keys):
+        eval_keys = LEGACY_EVAL_KEYS + tuple(
+            key for name in drafters.names() for key in getattr(drafters.config_module(name), "LEGACY_EVAL_KEYS", ())
+        )
+        if (
+            not isinstance(data, dict)
+            or not ({"method"} | sections) & set(data)
+            and not set(data.get("eval") or {}) & set(eval_keys)
+        ):
             return data
         data = copy.deepcopy(data)
         drafter = dict(data.get("drafter") or {})
         method = drafters.check_name(data.pop("method", drafter.get("method", drafters.DEFAULT)), "method")
-        if drafter.get("method", method) != method:          # another drafter named: keep only what all share
+        if drafter.get("method", method) != method:  # another drafter named: keep only what all share
             drafter = {k: v for k, v in drafter.items() if k == "num_speculative_tokens"}
         old = {key: data.pop(key) for key in sections if key in data}
         # the old section's values win: on a current recipe they come from overrides (``head.ttt_steps=3``)
         drafter = {**drafter, **(old.pop(legacy[method], None) or {}), "method": method}
         aux = next((sec["aux_layer_ids"] for sec in old.values() if (sec or {}).get("aux_layer_ids")), None)
         if aux and "aux_layer_ids" not in (data.get("capture") or {}):
-            data.setdefault("capture", {})["aux_layer_ids"] = aux       # what its offline capture stored
+            data.setdefault("capture", {})["aux_layer_ids"] = aux  # what its offline capture stored
         ev = dict(data.get("eval") or {})
-        if "k" in ev:                                       # 0.1's one k: the drafter's (an override wins)
+        if "k" in ev:  # 0.1's one k: the drafter's (an override wins)
             drafter["num_speculative_tokens"] = ev["k"]
         drafter.setdefault("num_speculative_tokens", LEGACY_K)
         default_rows = [n for n in drafters.names() if getattr(drafters.config_module(n), "LEGACY_IN_DEFAULT_EVAL", 0)]
@@ -123,13 +128,17 @@ class Recipe:
         rows = dict(ev.get("drafters") or {})
         for name in old_eval.get("methods") or ():
             if name == method or name in rows:
-                continue                                   # the recipe's own drafter is always a row
-            row_of = getattr(drafters.config_module(drafters.check_name(name, "eval.methods entry")),
-                             "legacy_eval_row", None)
+                continue  # the recipe's own drafter is always a row
+            row_of = getattr(
+                drafters.config_module(drafters.check_name(name, "eval.methods entry")), "legacy_eval_row", None
+            )
             row = row_of(old_eval) if row_of else None
             if row is None:
-                logger.warning("recipe migration: eval.methods entry %r needs a model the recipe does not name; "
-                               "left out (add it under eval.drafters)", name)
+                logger.warning(
+                    "recipe migration: eval.methods entry %r needs a model the recipe does not name; "
+                    "left out (add it under eval.drafters)",
+                    name,
+                )
             else:
                 rows[name] = row
         if rows:

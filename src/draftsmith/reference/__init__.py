@@ -8,6 +8,7 @@
 Built by the scripts in ``tools/reference/`` (corpus, tokenizer, pretraining); the exact commands, seeds
 and measured losses are in ``REPRODUCE.md`` beside this file.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,7 +28,7 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]     #: the tokenizer's special tokens
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  #: the tokenizer's special tokens
 
 
 def resolve(name_or_path: str | Path) -> str:
@@ -40,8 +41,9 @@ def _load(path: Path, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (path / "model.safetensors").exists():
-        raise FileNotFoundError(f"{path} has no model.safetensors; rebuild it with the commands in "
-                                f"{ROOT / 'REPRODUCE.md'}")
+        raise FileNotFoundError(
+            f"{path} has no model.safetensors; rebuild it with the commands in {ROOT / 'REPRODUCE.md'}"
+        )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32).eval()
     return model, AutoTokenizer.from_pretrained(path)
 

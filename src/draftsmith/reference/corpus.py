@@ -15,6 +15,7 @@ Train-split examples go into pretraining and head training; held-out examples (a
 The corpus files the target was pretrained on are written by ``tools/reference/corpus.py`` (see
 REPRODUCE.md); draftsmith itself reads these functions for the ``reference:train`` data source.
 """
+
 from __future__ import annotations
 
 import ast
@@ -29,8 +30,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 #: Folders of the stdlib that are tests, tools or vendored code rather than library source.
-EXCLUDED_PARTS = {"test", "tests", "idlelib", "site-packages", "lib2to3", "__pycache__", "turtledemo",
-                  "config-3.11-x86_64-linux-gnu", "ensurepip", "tkinter"}
+EXCLUDED_PARTS = {
+    "test",
+    "tests",
+    "idlelib",
+    "site-packages",
+    "lib2to3",
+    "__pycache__",
+    "turtledemo",
+    "config-3.11-x86_64-linux-gnu",
+    "ensurepip",
+    "tkinter",
+}
 #: Share of modules held out (by sha256 of the module name), never seen in pretraining.
 HELDOUT_PERCENT = 10
 #: Third-party distributions whose sources form the `code-foreign` task.
@@ -125,7 +136,7 @@ def functions(src: SourceFile, min_lines: int = 5, max_lines: int = 40) -> list[
         n = node.end_lineno - start + 1
         if not (min_lines <= n <= max_lines):
             continue
-        code = textwrap.dedent("\n".join(lines[start - 1:node.end_lineno]))
+        code = textwrap.dedent("\n".join(lines[start - 1 : node.end_lineno]))
         if "\t" in code or max(map(len, code.splitlines())) > 100:
             continue
         try:
@@ -142,8 +153,12 @@ def _fence(code: str) -> str:
 
 def _docstring_span(fn: Function) -> tuple[int, int] | None:
     body = fn.node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-            and isinstance(body[0].value.value, str):
+    if (
+        body
+        and isinstance(body[0], ast.Expr)
+        and isinstance(getattr(body[0], "value", None), ast.Constant)
+        and isinstance(body[0].value.value, str)
+    ):
         return body[0].lineno, body[0].end_lineno
     return None
 
@@ -201,8 +216,15 @@ def edit_example(fn: Function, rng: random.Random) -> tuple[str, str] | None:
     def_idx = fn.node.lineno - 1
     line = lines[def_idx]
     a = fn.node.args
-    if a.vararg or a.kwarg or a.kwonlyargs or a.posonlyargs or fn.node.end_lineno == fn.node.lineno \
-            or not line.rstrip().endswith(":") or line.count(")") != 1 + line.count("(") - 1:
+    if (
+        a.vararg
+        or a.kwarg
+        or a.kwonlyargs
+        or a.posonlyargs
+        or fn.node.end_lineno == fn.node.lineno
+        or not line.rstrip().endswith(":")
+        or line.count(")") != 1 + line.count("(") - 1
+    ):
         return None
     close = line.rfind(")")
     if close < 0 or line.count("(") != 1:
@@ -223,7 +245,7 @@ def docstring_example(fn: Function, rng: random.Random) -> tuple[str, str] | Non
     if span is None or not text or len(text) < 20:
         return None
     lines = fn.code.splitlines()
-    stripped = lines[:span[0] - 1] + lines[span[1]:]
+    stripped = lines[: span[0] - 1] + lines[span[1] :]
     if len(stripped) - (fn.node.lineno) < 1:
         return None
     prompt = f"Write the docstring for this function:\n{_fence(chr(10).join(stripped))}"
@@ -244,10 +266,17 @@ def examples(sources: list[SourceFile], families: dict, seed: int) -> list[dict]
                 if ex is None:
                     continue
                 prompt, answer = ex
-                out.append({
-                    "task": task,
-                    "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
-                    "provenance": {"source": src.relpath, "module": src.module, "origin": src.origin,
-                                   "lines": [fn.start, fn.end], "sha256": src.sha256},
-                })
+                out.append(
+                    {
+                        "task": task,
+                        "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
+                        "provenance": {
+                            "source": src.relpath,
+                            "module": src.module,
+                            "origin": src.origin,
+                            "lines": [fn.start, fn.end],
+                            "sha256": src.sha256,
+                        },
+                    }
+                )
     return out

@@ -28,6 +28,7 @@ are found on the decoded text that is final (``core.stops.TextStream``), token b
 so plain and speculative decoding stop at the same token. Spec-decode counters come from the decode loop's
 observer hook (``on_step``), so they count every verify step even when a stop string ends generation.
 """
+
 from __future__ import annotations
 
 import logging
@@ -114,12 +115,23 @@ class Engine:
             (``Drafter.load``; ``HeadMismatchError``, a ValueError, for an export that does not fit the target).
     """
 
-    def __init__(self, model, tokenizer, speculative_config=None, *, model_name: str = "draftsmith",
-                 allow_mismatch: Sequence[str] = (), max_model_len: int | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        speculative_config=None,
+        *,
+        model_name: str = "draftsmith",
+        allow_mismatch: Sequence[str] = (),
+        max_model_len: int | None = None,
+    ):
         self.spec = SpeculativeConfig.parse(speculative_config)
         self.tokenizer, self.model_name = tokenizer, model_name
-        self.drafter = (drafters.get(self.spec.method).load(self.spec, model, tokenizer, allow_mismatch)
-                        if self.spec is not None else None)
+        self.drafter = (
+            drafters.get(self.spec.method).load(self.spec, model, tokenizer, allow_mismatch)
+            if self.spec is not None
+            else None
+        )
         aux_layer_ids = self.drafter.aux_layer_ids if self.drafter is not None else None
         self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
         self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
@@ -131,10 +143,19 @@ class Engine:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_pretrained(cls, target: str, speculative_config=None, *, revision: str | None = None,
-                        dtype: str = "float32", device: str | None = None, served_model_name: str | None = None,
-                        allow_mismatch: Sequence[str] = (), max_model_len: int | None = None,
-                        check_memory: bool = True) -> "Engine":
+    def from_pretrained(
+        cls,
+        target: str,
+        speculative_config=None,
+        *,
+        revision: str | None = None,
+        dtype: str = "float32",
+        device: str | None = None,
+        served_model_name: str | None = None,
+        allow_mismatch: Sequence[str] = (),
+        max_model_len: int | None = None,
+        check_memory: bool = True,
+    ) -> "Engine":
         """Load ``target`` (a Hub id, a folder, or ``reference``) on ``device`` (default: cuda when
         available) and build the engine; ``served_model_name`` defaults to ``target``.
 
@@ -147,22 +168,28 @@ class Engine:
             ValueError: as ``Engine`` (a draft's learned position table shorter than max_model_len, ...).
         """
 
-
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        dtype = resolve_model_dtype(target, dtype, revision, device)        # 'auto' -> what the device runs fast
+        dtype = resolve_model_dtype(target, dtype, revision, device)  # 'auto' -> what the device runs fast
         spec = SpeculativeConfig.parse(speculative_config)
         if spec is not None:
             target_config = AutoConfig.from_pretrained(reference.resolve(target), revision=revision)
             drafters.get(spec.method).check_before_loading(spec, target_config, max_model_len)
         if check_memory:
-            plan = plan_for_engine(target, spec, dtype=dtype, device=device, max_model_len=max_model_len,
-                                   revision=revision)
+            plan = plan_for_engine(
+                target, spec, dtype=dtype, device=device, max_model_len=max_model_len, revision=revision
+            )
             logger.info("%s", plan.summary())
             plan.check()
         model, tokenizer = load_causal_lm(target, revision=revision, dtype=dtype, role="target")
         model.to(device)
-        return cls(model, tokenizer, spec, model_name=served_model_name or target, allow_mismatch=allow_mismatch,
-                   max_model_len=max_model_len)
+        return cls(
+            model,
+            tokenizer,
+            spec,
+            model_name=served_model_name or target,
+            allow_mismatch=allow_mismatch,
+            max_model_len=max_model_len,
+        )
 
     def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
         """Refuse (``RequestError``) an empty prompt, ids outside the vocabulary, or prompt + max_new_tokens
@@ -173,13 +200,17 @@ class Engine:
         vocab_size = self.target.vocab_size
         bad = [t for t in prompt_ids if not 0 <= int(t) < vocab_size]
         if bad:
-            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})",
-                               "invalid_prompt", "prompt")
+            raise RequestError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})", "invalid_prompt", "prompt"
+            )
         if n + max_new_tokens > self.max_model_len:
-            raise RequestError(f"this model's maximum context length is {self.max_model_len} tokens, but "
-                               f"{n + max_new_tokens} were requested ({n} in the prompt, {max_new_tokens} for the "
-                               f"completion); shorten the prompt or lower max_tokens",
-                               "context_length_exceeded", "max_tokens" if n < self.max_model_len else "prompt")
+            raise RequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but "
+                f"{n + max_new_tokens} were requested ({n} in the prompt, {max_new_tokens} for the "
+                f"completion); shorten the prompt or lower max_tokens",
+                "context_length_exceeded",
+                "max_tokens" if n < self.max_model_len else "prompt",
+            )
 
     def new_proposer(self, cfg: GenerationConfig) -> Proposer | None:
         """A fresh proposer for one sequence, drafting with the request's settings (None: plain decoding)."""
@@ -187,9 +218,16 @@ class Engine:
             return None
         return self.drafter.new_proposer(Sampling(cfg.temperature, cfg.top_k, cfg.top_p, draft_seed(cfg.seed)))
 
-    def generate(self, prompt_ids: Sequence[int], cfg: GenerationConfig, *, stop: Sequence[str] = (),
-                 on_text: Callable[[str], None] | None = None, cancel: threading.Event | None = None,
-                 arrival: float | None = None) -> EngineResult:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        cfg: GenerationConfig,
+        *,
+        stop: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        cancel: threading.Event | None = None,
+        arrival: float | None = None,
+    ) -> EngineResult:
         """Generate one sequence (waiting for the requests ahead of it), record its metrics.
 
         Args:
@@ -213,7 +251,7 @@ class Engine:
             text = TextStream(self.tokenizer, stop, on_text)
             first_token_at = None
 
-            def on_step(step: VerifyStep) -> None:        # counted before the step's tokens can stop generation
+            def on_step(step: VerifyStep) -> None:  # counted before the step's tokens can stop generation
                 nonlocal steps
                 steps += 1
                 stats.record(step.proposed, step.accepted)
@@ -230,8 +268,9 @@ class Engine:
                 if proposer is None:
                     result = generate_plain(self.target, prompt, cfg, on_tokens=on_tokens)
                 else:
-                    result = generate_speculative(self.target, proposer, prompt, cfg, self.k, on_tokens=on_tokens,
-                                                  on_step=on_step)
+                    result = generate_speculative(
+                        self.target, proposer, prompt, cfg, self.k, on_tokens=on_tokens, on_step=on_step
+                    )
                 finish_reason, forwards = result.finish_reason, result.num_target_forwards
             except StopStringFound:
                 finish_reason = "stop"
@@ -240,11 +279,18 @@ class Engine:
                 if stats is not None:
                     self.metrics.record_spec(stats)
             text.finish()
-            if text.stopped:                  # found in the tail that only the end of generation made final
+            if text.stopped:  # found in the tail that only the end of generation made final
                 finish_reason = "stop"
         latency = time.perf_counter() - arrival
         ttft = first_token_at - arrival if first_token_at is not None else None
         self.metrics.record_request(len(prompt), len(text.tokens), finish_reason, ttft, latency)
-        return EngineResult(tokens=text.tokens, finish_reason=finish_reason,
-                            stats=stats, num_target_forwards=forwards,
-                            text=text.text, prompt_tokens=len(prompt), ttft_s=ttft, latency_s=latency)
+        return EngineResult(
+            tokens=text.tokens,
+            finish_reason=finish_reason,
+            stats=stats,
+            num_target_forwards=forwards,
+            text=text.text,
+            prompt_tokens=len(prompt),
+            ttft_s=ttft,
+            latency_s=latency,
+        )

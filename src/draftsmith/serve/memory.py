@@ -26,6 +26,7 @@ Free memory: CUDA ``torch.cuda.mem_get_info`` (free bytes on that device); CPU `
 PyTorch's own tooling report; both are snapshots, so the plan is a guard against certain failure, not a
 guarantee.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -103,14 +104,22 @@ class MemoryPlan:
 def _prefill_bytes(config, tokens: int, dtype: str | torch.dtype, keeps_hidden_states: bool) -> int:
     c = config.get_text_config() if hasattr(config, "get_text_config") else config
     b = dtype_bytes(dtype)
-    logits = tokens * c.vocab_size * (b + 4)                             # model dtype + float32 copy
+    logits = tokens * c.vocab_size * (b + 4)  # model dtype + float32 copy
     mlp = 3 * tokens * getattr(c, "intermediate_size", 4 * c.hidden_size) * b
     hidden = (c.num_hidden_layers + 1) * tokens * c.hidden_size * b if keeps_hidden_states else 0
     return logits + mlp + hidden
 
 
-def plan_memory(target_config, *, dtype: str = "float32", device: str = "cpu", max_model_len: int | None = None,
-                max_num_seqs: int = 1, drafter: MemoryItems | None = None, free_bytes: int | None = None) -> MemoryPlan:
+def plan_memory(
+    target_config,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    max_num_seqs: int = 1,
+    drafter: MemoryItems | None = None,
+    free_bytes: int | None = None,
+) -> MemoryPlan:
     """Estimate the serving memory of a target (+ drafter) and compare it with free memory.
 
     Args:
@@ -140,8 +149,9 @@ def plan_memory(target_config, *, dtype: str = "float32", device: str = "cpu", m
     items["prefill activations"] = _prefill_bytes(target_config, max_model_len, dtype, drafter.reads_hidden_states)
     items["margin (10%)"] = int(MARGIN * sum(items.values()))
     free = free_memory_bytes(device) if free_bytes is None else int(free_bytes)
-    plan = MemoryPlan(device=str(device), free_bytes=free, items=items, max_model_len=max_model_len,
-                      max_num_seqs=max_num_seqs)
+    plan = MemoryPlan(
+        device=str(device), free_bytes=free, items=items, max_model_len=max_model_len, max_num_seqs=max_num_seqs
+    )
     if not plan.fits:
         plan.advice = _advice(plan, target_config, dtype, drafter, per_token)
     return plan
@@ -152,16 +162,21 @@ def _advice(plan: MemoryPlan, target_config, dtype, drafter: MemoryItems, per_to
     advice = []
     # 1. a shorter max length: KV caches and prefill scale with it, weights do not
     fixed = sum(v for n, v in plan.items.items() if "weights" in n)
-    per_len = (sum(per_token.values()) * plan.max_num_seqs
-               + _prefill_bytes(target_config, 1, dtype, drafter.reads_hidden_states))
+    per_len = sum(per_token.values()) * plan.max_num_seqs + _prefill_bytes(
+        target_config, 1, dtype, drafter.reads_hidden_states
+    )
     budget = plan.free_bytes / (1 + MARGIN) - fixed
     longest = int(budget // per_len) if budget > 0 else 0
     if longest >= 16:
-        advice.append(f"lower the max length: --max-model-len {min(longest, plan.max_model_len - 1)} fits "
-                      f"(KV caches and prefill scale with it; now {plan.max_model_len})")
+        advice.append(
+            f"lower the max length: --max-model-len {min(longest, plan.max_model_len - 1)} fits "
+            f"(KV caches and prefill scale with it; now {plan.max_model_len})"
+        )
     else:
-        advice.append(f"the weights alone ({fixed / MIB:.1f} MiB + margin) leave no room for a KV cache in "
-                      f"{plan.free_bytes / MIB:.1f} MiB free: a shorter max length will not do")
+        advice.append(
+            f"the weights alone ({fixed / MIB:.1f} MiB + margin) leave no room for a KV cache in "
+            f"{plan.free_bytes / MIB:.1f} MiB free: a shorter max length will not do"
+        )
     if plan.max_num_seqs > 1:
         advice.append(f"serve fewer sequences at once (now {plan.max_num_seqs}); each holds its own KV caches")
     advice += drafter.advice
@@ -174,9 +189,16 @@ def _advice(plan: MemoryPlan, target_config, dtype, drafter: MemoryItems, per_to
     return advice
 
 
-def plan_for_engine(target: str, speculative_config: Any = None, *, dtype: str = "float32", device: str = "cpu",
-                    max_model_len: int | None = None, revision: str | None = None,
-                    free_bytes: int | None = None) -> MemoryPlan:
+def plan_for_engine(
+    target: str,
+    speculative_config: Any = None,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_model_len: int | None = None,
+    revision: str | None = None,
+    free_bytes: int | None = None,
+) -> MemoryPlan:
     """``plan_memory`` for what ``Engine.from_pretrained`` is about to load, reading configs only.
 
     Args:
@@ -192,5 +214,12 @@ def plan_for_engine(target: str, speculative_config: Any = None, *, dtype: str =
     spec = SpeculativeConfig.parse(speculative_config)
     config = AutoConfig.from_pretrained(reference.resolve(target), revision=revision)
     items = drafters.get(spec.method).memory(spec, config, dtype) if spec is not None else None
-    return plan_memory(config, dtype=dtype, device=device, max_model_len=max_model_len, max_num_seqs=1,
-                       drafter=items, free_bytes=free_bytes)
+    return plan_memory(
+        config,
+        dtype=dtype,
+        device=device,
+        max_model_len=max_model_len,
+        max_num_seqs=1,
+        drafter=items,
+        free_bytes=free_bytes,
+    )

@@ -15,6 +15,7 @@ shows, vLLM's ``spec_decode`` names under the ``draftsmith:`` prefix, DESIGN.md 
 
 From a scrape: acceptance rate = accepted / draft tokens; acceptance length τ = 1 + accepted / drafts.
 """
+
 from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
@@ -22,12 +23,70 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from draftsmith.core.generate import SpecStats
 
 PREFIX = "draftsmith:"
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0)
-TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                0.4, 0.5, 0.75, 1.0, 2.5)
-LATENCY_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
-                   120.0, 240.0, 480.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TPOT_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+)
+LATENCY_BUCKETS = (
+    0.01,
+    0.05,
+    0.1,
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+)
 
 
 class EngineMetrics:
@@ -44,27 +103,46 @@ class EngineMetrics:
     def __init__(self, num_speculative_tokens: int = 0, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.num_drafts = Counter(PREFIX + "spec_decode_num_drafts", "Verify steps with at least one drafted "
-                                  "token.", registry=r)
-        self.num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Drafted tokens proposed.",
-                                        registry=r)
-        self.num_accepted_tokens = Counter(PREFIX + "spec_decode_num_accepted_tokens", "Drafted tokens "
-                                           "accepted by verification.", registry=r)
-        self.accepted_per_pos = Counter(PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Drafts whose token "
-                                        "at this 0-based position was accepted.", ["position"], registry=r)
+        self.num_drafts = Counter(
+            PREFIX + "spec_decode_num_drafts", "Verify steps with at least one drafted token.", registry=r
+        )
+        self.num_draft_tokens = Counter(PREFIX + "spec_decode_num_draft_tokens", "Drafted tokens proposed.", registry=r)
+        self.num_accepted_tokens = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens", "Drafted tokens accepted by verification.", registry=r
+        )
+        self.accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Drafts whose token at this 0-based position was accepted.",
+            ["position"],
+            registry=r,
+        )
         for position in range(num_speculative_tokens):
             self.accepted_per_pos.labels(position=str(position))
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens of finished requests.", registry=r)
-        self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens of finished requests.",
-                                         registry=r)
-        self.request_success = Counter(PREFIX + "request_success", "Finished requests by finish reason.",
-                                       ["finished_reason"], registry=r)
-        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Request arrival to first emitted token "
-                              "(queue wait + prefill).", buckets=TTFT_BUCKETS, registry=r)
-        self.tpot = Histogram(PREFIX + "time_per_output_token_seconds", "(latency - TTFT) / (tokens - 1) of "
-                              "requests with more than one token.", buckets=TPOT_BUCKETS, registry=r)
-        self.latency = Histogram(PREFIX + "e2e_request_latency_seconds", "Request arrival to last token.",
-                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens of finished requests.", registry=r
+        )
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds",
+            "Request arrival to first emitted token (queue wait + prefill).",
+            buckets=TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            PREFIX + "time_per_output_token_seconds",
+            "(latency - TTFT) / (tokens - 1) of requests with more than one token.",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.latency = Histogram(
+            PREFIX + "e2e_request_latency_seconds",
+            "Request arrival to last token.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
 
     def record_spec(self, stats: SpecStats) -> None:
         """Add one sequence's speculation counters."""
@@ -74,8 +152,9 @@ class EngineMetrics:
         for position, count in enumerate(stats.accepted_per_pos):
             self.accepted_per_pos.labels(position=str(position)).inc(count)
 
-    def record_request(self, prompt_tokens: int, completion_tokens: int, finish_reason: str,
-                       ttft_s: float | None, latency_s: float) -> None:
+    def record_request(
+        self, prompt_tokens: int, completion_tokens: int, finish_reason: str, ttft_s: float | None, latency_s: float
+    ) -> None:
         """Add one finished request: token counts, finish reason, TTFT / TPOT / latency."""
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)

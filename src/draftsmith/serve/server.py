@@ -16,6 +16,7 @@ A bad request gets a 4xx JSON body ``{"error": {"message", "type", "code", "para
 on ONE worker thread, which is the request queue (batch size 1: ``engine.py``); the event loop stays
 free for /health and /metrics. A streaming client that disconnects cancels its generation.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,24 +40,36 @@ from draftsmith.core.generate import GenerationConfig
 from draftsmith.serve.engine import Engine, EngineResult, RequestError
 
 # request fields that would change the output but are not implemented, with their no-op values
-UNSUPPORTED = {"best_of": (None, 1), "echo": (None, False), "logprobs": (None, False), "top_logprobs": (None, 0),
-               "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}),
-               "suffix": (None, ""), "tools": (None, []), "response_format": (None, {"type": "text"})}
+UNSUPPORTED = {
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}),
+    "suffix": (None, ""),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+}
 
 
 class APIError(Exception):
     """An error answered as ``{"error": {...}}`` with ``status``."""
 
-    def __init__(self, status: int, message: str, code: str, param: str | None = None,
-                 type: str = "invalid_request_error"):
+    def __init__(
+        self, status: int, message: str, code: str, param: str | None = None, type: str = "invalid_request_error"
+    ):
         super().__init__(message)
         self.status, self.message, self.code, self.param, self.type = status, message, code, param, type
 
 
-def _error_response(status: int, message: str, code: str, param: str | None = None,
-                    type: str = "invalid_request_error") -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": type, "code": code, "param": param}})
+def _error_response(
+    status: int, message: str, code: str, param: str | None = None, type: str = "invalid_request_error"
+) -> JSONResponse:
+    return JSONResponse(
+        status_code=status, content={"error": {"message": message, "type": type, "code": code, "param": param}}
+    )
 
 
 class StreamOptions(BaseModel):
@@ -72,7 +85,7 @@ class _SamplingRequest(BaseModel):
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)            # vLLM: -1 or 0 disables
+    top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 disables
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -105,8 +118,12 @@ class ChatCompletionRequest(_SamplingRequest):
 def _check_common(req: _SamplingRequest, engine: Engine) -> None:
     """Model name, n, and the unsupported parameters."""
     if req.model is not None and req.model != engine.model_name:
-        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {engine.model_name!r}",
-                       "model_not_found", "model")
+        raise APIError(
+            404,
+            f"the model {req.model!r} does not exist; this server serves {engine.model_name!r}",
+            "model_not_found",
+            "model",
+        )
     if req.n != 1:
         raise APIError(400, f"n must be 1 (one sequence per request), got {req.n}", "unsupported_parameter", "n")
     for name, value in (req.model_extra or {}).items():
@@ -114,8 +131,9 @@ def _check_common(req: _SamplingRequest, engine: Engine) -> None:
             raise APIError(400, f"{name}={value!r} is not supported by this server", "unsupported_parameter", name)
 
 
-def _generation_config(req: _SamplingRequest, engine: Engine, prompt_ids: list[int], max_tokens: int | None
-                       ) -> GenerationConfig:
+def _generation_config(
+    req: _SamplingRequest, engine: Engine, prompt_ids: list[int], max_tokens: int | None
+) -> GenerationConfig:
     """Decoding settings; max_tokens defaults to what the context leaves (checked by the engine)."""
     if max_tokens is None:
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))
@@ -124,9 +142,15 @@ def _generation_config(req: _SamplingRequest, engine: Engine, prompt_ids: list[i
     except RequestError as e:
         raise APIError(400, str(e), e.code, e.param) from None
     top_k = req.top_k if req.top_k and req.top_k > 0 else None
-    return GenerationConfig(max_new_tokens=max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
-                            top_k=top_k, top_p=req.top_p, seed=req.seed, eos_token_ids=engine.eos_token_ids,
-                            stop_token_ids=tuple(req.stop_token_ids or ()))
+    return GenerationConfig(
+        max_new_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_k=top_k,
+        top_p=req.top_p,
+        seed=req.seed,
+        eos_token_ids=engine.eos_token_ids,
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+    )
 
 
 def _stops(req: _SamplingRequest) -> tuple[str, ...]:
@@ -137,8 +161,9 @@ def _completion_prompt(req: CompletionRequest, engine: Engine) -> list[int]:
     prompt = req.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         if len(prompt) != 1:
-            raise APIError(400, f"one prompt per request (got a list of {len(prompt)})", "unsupported_parameter",
-                           "prompt")
+            raise APIError(
+                400, f"one prompt per request (got a list of {len(prompt)})", "unsupported_parameter", "prompt"
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         return list(engine.tokenizer(prompt).input_ids)
@@ -148,8 +173,9 @@ def _completion_prompt(req: CompletionRequest, engine: Engine) -> list[int]:
 def _chat_prompt(req: ChatCompletionRequest, engine: Engine) -> list[int]:
     tokenizer = engine.tokenizer
     if not getattr(tokenizer, "chat_template", None):
-        raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions",
-                       "no_chat_template", "messages")
+        raise APIError(
+            400, "this model's tokenizer has no chat template; use /v1/completions", "no_chat_template", "messages"
+        )
     messages = []
     for m in req.messages:
         content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
@@ -202,16 +228,19 @@ def create_app(engine: Engine) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
-        return _error_response(500, f"internal error: {type(e).__name__}: {e}", "internal_error",
-                               type="internal_server_error")
+        return _error_response(
+            500, f"internal error: {type(e).__name__}: {e}", "internal_error", type="internal_server_error"
+        )
 
     async def run(prompt_ids, cfg, stop, on_text=None, cancel=None) -> EngineResult:
-        call = partial(engine.generate, prompt_ids, cfg, stop=stop, on_text=on_text, cancel=cancel,
-                       arrival=time.perf_counter())
+        call = partial(
+            engine.generate, prompt_ids, cfg, stop=stop, on_text=on_text, cancel=cancel, arrival=time.perf_counter()
+        )
         return await asyncio.get_running_loop().run_in_executor(worker, call)
 
     def stream(prompt_ids, cfg, stop, chunk, first: list | None, include_usage: bool):
         """SSE body: ``chunk(delta_text, finish_reason)`` payloads, an optional usage chunk, [DONE]."""
+
         async def events():
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
@@ -221,8 +250,9 @@ def create_app(engine: Engine) -> FastAPI:
 
             def done(task):
                 if not task.cancelled():
-                    task.exception()       # retrieved here, reported below (or dropped: client gone)
+                    task.exception()  # retrieved here, reported below (or dropped: client gone)
                 queue.put_nowait(None)
+
             job.add_done_callback(done)
             try:
                 for payload in first or ():
@@ -232,17 +262,25 @@ def create_app(engine: Engine) -> FastAPI:
                 try:
                     result = job.result()
                 except Exception as e:  # noqa: BLE001 - headers are sent: report in the stream
-                    yield _sse({"error": {"message": f"{type(e).__name__}: {e}", "type": "internal_server_error",
-                                          "code": "internal_error", "param": None}})
+                    yield _sse(
+                        {
+                            "error": {
+                                "message": f"{type(e).__name__}: {e}",
+                                "type": "internal_server_error",
+                                "code": "internal_error",
+                                "param": None,
+                            }
+                        }
+                    )
                 else:
                     yield _sse(chunk(None, result.finish_reason))
                     if include_usage:
                         yield _sse(chunk(None, None, usage=_usage(result)))
                 yield "data: [DONE]\n\n"
             finally:
-                cancel.set()   # a client that went away stops its generation at the next chunk
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+                cancel.set()  # a client that went away stops its generation at the next chunk
+
+        return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):
@@ -252,16 +290,21 @@ def create_app(engine: Engine) -> FastAPI:
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
         if req.stream:
+
             def chunk(text, finish_reason, usage=None):
                 if usage is not None:
                     return base | {"choices": [], "usage": usage}
-                return base | {"choices": [{"index": 0, "text": text or "", "logprobs": None,
-                                            "finish_reason": finish_reason}]}
+                return base | {
+                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
+                }
+
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return stream(prompt_ids, cfg, _stops(req), chunk, None, include_usage)
         result = await run(prompt_ids, cfg, _stops(req))
-        return base | {"choices": [{"index": 0, "text": result.text, "logprobs": None,
-                                    "finish_reason": result.finish_reason}], "usage": _usage(result)}
+        return base | {
+            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
+            "usage": _usage(result),
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatCompletionRequest):
@@ -277,25 +320,58 @@ def create_app(engine: Engine) -> FastAPI:
                 if usage is not None:
                     return base | {"choices": [], "usage": usage}
                 delta = {} if text is None else {"content": text}
-                return base | {"choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                            "finish_reason": finish_reason}]}
-            first = [base | {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                          "logprobs": None, "finish_reason": None}]}]
+                return base | {
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
+                }
+
+            first = [
+                base
+                | {
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                }
+            ]
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return stream(prompt_ids, cfg, _stops(req), chunk, first, include_usage)
         result = await run(prompt_ids, cfg, _stops(req))
-        return {"id": rid, "object": "chat.completion", "created": created, "model": engine.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                             "logprobs": None, "finish_reason": result.finish_reason}],
-                "usage": _usage(result)}
+        return {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": engine.model_name,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": result.text},
+                    "logprobs": None,
+                    "finish_reason": result.finish_reason,
+                }
+            ],
+            "usage": _usage(result),
+        }
 
     @app.get("/v1/models")
     async def models():
         spec = engine.spec
-        return {"object": "list", "data": [{
-            "id": engine.model_name, "object": "model", "created": 0, "owned_by": "draftsmith",
-            "max_model_len": engine.max_model_len,
-            "speculative_config": None if spec is None else spec.to_dict()}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": engine.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "draftsmith",
+                    "max_model_len": engine.max_model_len,
+                    "speculative_config": None if spec is None else spec.to_dict(),
+                }
+            ],
+        }
 
     @app.get("/health")
     async def health():
@@ -330,8 +406,9 @@ class BackgroundServer:
         RuntimeError: the server did not start in time (or its thread died).
     """
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
-                 startup_timeout_s: float = 60.0):
+    def __init__(
+        self, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning", startup_timeout_s: float = 60.0
+    ):
 
         import uvicorn
 
@@ -340,8 +417,12 @@ class BackgroundServer:
         self.socket.bind((host, port))
         self.host, self.port = host, self.socket.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]}, daemon=True,
-                                       name=f"draftsmith-server-{self.port}")
+        self.thread = threading.Thread(
+            target=self.server.run,
+            kwargs={"sockets": [self.socket]},
+            daemon=True,
+            name=f"draftsmith-server-{self.port}",
+        )
         self.startup_timeout_s = startup_timeout_s
 
     @property

@@ -9,6 +9,7 @@ runs exactly these calls per task; here the tasks are the run's held-out split a
 baseline (speed only) is skipped. Under several processes the prompts are split over the ranks and
 the counters summed.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -33,9 +34,17 @@ def heldout_prompts(conversations: list[dict], limit: int) -> list[list[dict]]:
     return prompts
 
 
-def measure_acceptance(target, tokenizer, make_proposer: Callable[[], Proposer], prompts: list[list[dict]], k: int,
-                       max_new_tokens: int, rank: int = 0, world_size: int = 1,
-                       aux_layer_ids: Sequence[int] | None = None) -> SpecStats:
+def measure_acceptance(
+    target,
+    tokenizer,
+    make_proposer: Callable[[], Proposer],
+    prompts: list[list[dict]],
+    k: int,
+    max_new_tokens: int,
+    rank: int = 0,
+    world_size: int = 1,
+    aux_layer_ids: Sequence[int] | None = None,
+) -> SpecStats:
     """Greedy speculative decoding of ``prompts[rank::world_size]``; its ``SpecStats``.
 
     ``make_proposer()`` returns a fresh greedy proposer per prompt (proposers hold per-sequence state);
@@ -53,8 +62,10 @@ def measure_acceptance(target, tokenizer, make_proposer: Callable[[], Proposer],
 
 def stats_tensor(stats: SpecStats) -> torch.Tensor:
     """Counters as float64 [3 + k] (drafts, draft tokens, accepted, accepted per position) for a sum-reduce."""
-    return torch.tensor([stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens,
-                         *stats.accepted_per_pos], dtype=torch.float64)
+    return torch.tensor(
+        [stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, *stats.accepted_per_pos],
+        dtype=torch.float64,
+    )
 
 
 def stats_from_tensor(t: torch.Tensor, k: int) -> SpecStats:
@@ -66,5 +77,8 @@ def stats_from_tensor(t: torch.Tensor, k: int) -> SpecStats:
 def log_fields(stats: SpecStats) -> dict:
     """The log entry of one measurement: tau, acceptance rate and accepted fraction per position."""
     drafts = max(1, stats.num_drafts)
-    return {"tau": stats.acceptance_length, "acceptance_rate": stats.acceptance_rate,
-            **{f"accepted_pos{i}": a / drafts for i, a in enumerate(stats.accepted_per_pos)}}
+    return {
+        "tau": stats.acceptance_length,
+        "acceptance_rate": stats.acceptance_rate,
+        **{f"accepted_pos{i}": a / drafts for i, a in enumerate(stats.accepted_per_pos)},
+    }

@@ -23,6 +23,7 @@ do not depend on W, so 1 process x 2 accumulation steps and 2 processes x 1 step
 micro-batches and average the same gradients. With parts > 1 the short last batch of an epoch is cut
 down to a multiple of parts sequences (dropped when shorter than parts).
 """
+
 from __future__ import annotations
 
 import math
@@ -37,7 +38,7 @@ from draftsmith.data_pipeline.dataset import RenderedDataset, pad_batch
 
 #: optional ``TrainBatch`` fields a drafter may ask for (``DrafterSpec.batch_fields``)
 BATCH_FIELDS = ("aux_hidden", "target_logits", "final_hidden")
-DEFAULT_FIELDS = frozenset({"aux_hidden", "target_logits"})     # what EAGLE-3 reads
+DEFAULT_FIELDS = frozenset({"aux_hidden", "target_logits"})  # what EAGLE-3 reads
 
 
 @dataclass
@@ -79,18 +80,18 @@ def run_target(target, input_ids: torch.Tensor, attention_mask: torch.Tensor, au
 
     Hidden-state output is requested only for ``aux_hidden`` / ``final_hidden``; logits-only drafters
     get a plain forward. The logits are always computed (the causal LM's forward makes them)."""
-    if "aux_hidden" in fields and "final_hidden" not in fields:        # EAGLE-3: the capture module's path
+    if "aux_hidden" in fields and "final_hidden" not in fields:  # EAGLE-3: the capture module's path
         cap = capture(target, input_ids, aux_layer_ids, attention_mask=attention_mask)
         out = {"aux_hidden": cap.aux_hidden, "target_logits": cap.target_logits}
         return {k: v for k, v in out.items() if k in fields}
     hidden = "final_hidden" in fields or "aux_hidden" in fields
     res = target(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=hidden, use_cache=False)
-    out = {"target_logits": res.logits}                                # [B, T, V]
+    out = {"target_logits": res.logits}  # [B, T, V]
     if "aux_hidden" in fields:
         ids = check_aux_layer_ids(aux_layer_ids, target.config.get_text_config().num_hidden_layers)
-        out["aux_hidden"] = torch.cat([res.hidden_states[i] for i in ids], dim=-1)   # [B, T, 3H]
+        out["aux_hidden"] = torch.cat([res.hidden_states[i] for i in ids], dim=-1)  # [B, T, 3H]
     if "final_hidden" in fields:
-        out["final_hidden"] = res.hidden_states[-1]                    # [B, T, H], after the final norm
+        out["final_hidden"] = res.hidden_states[-1]  # [B, T, H], after the final norm
     return {k: v for k, v in out.items() if k in fields}
 
 
@@ -117,8 +118,9 @@ class OnlineSource:
 
     def batch(self, indices: list[int], device) -> TrainBatch:
         """The sequences ``indices``, padded and captured on ``device``."""
-        ids, attn, mask = pad_batch([self.data.input_ids[i] for i in indices],
-                                    [self.data.loss_mask[i] for i in indices], self.pad_id)
+        ids, attn, mask = pad_batch(
+            [self.data.input_ids[i] for i in indices], [self.data.loss_mask[i] for i in indices], self.pad_id
+        )
         ids, attn, mask = ids.to(device), attn.to(device), mask.to(device)
         return TrainBatch(ids, attn, mask, **run_target(self.target, ids, attn, self.aux_layer_ids, self.fields))
 
@@ -141,9 +143,11 @@ class OfflineSource:
     def __init__(self, reader, lm_head, pad_id: int, aux_layer_ids, fields=DEFAULT_FIELDS):
         self.fields = frozenset(fields)
         if "aux_hidden" in self.fields and tuple(reader.aux_layer_ids) != tuple(aux_layer_ids or ()):
-            raise ValueError(f"{reader.folder} was captured at aux layers {tuple(reader.aux_layer_ids)}, the head "
-                             f"reads {tuple(aux_layer_ids or ())}; set head.aux_layer_ids to the capture's or "
-                             "capture again")
+            raise ValueError(
+                f"{reader.folder} was captured at aux layers {tuple(reader.aux_layer_ids)}, the head "
+                f"reads {tuple(aux_layer_ids or ())}; set head.aux_layer_ids to the capture's or "
+                "capture again"
+            )
         self.reader, self.lm_head, self.pad_id = reader, lm_head, pad_id
 
     def __len__(self) -> int:
@@ -160,17 +164,18 @@ class OfflineSource:
         t = ids.shape[1]
         out = {}
         if "aux_hidden" in self.fields:
-            out["aux_hidden"] = pad_rows([s.aux_hidden for s in seqs], t).to(device)           # [B, T, 3H]
-        final = pad_rows([s.final_hidden for s in seqs], t).to(device)                         # [B, T, H]
+            out["aux_hidden"] = pad_rows([s.aux_hidden for s in seqs], t).to(device)  # [B, T, 3H]
+        final = pad_rows([s.final_hidden for s in seqs], t).to(device)  # [B, T, H]
         if "target_logits" in self.fields:
-            out["target_logits"] = type(self.reader).target_logits(self.lm_head, final)       # [B, T, V]
+            out["target_logits"] = type(self.reader).target_logits(self.lm_head, final)  # [B, T, V]
         if "final_hidden" in self.fields:
             out["final_hidden"] = final
         return TrainBatch(ids.to(device), attn.to(device), mask.to(device), **out)
 
 
-def batches_for_epoch(n: int, batch_size: int, seed: int, epoch: int,
-                      lengths: list[int] | None = None, megabatch: int = 32) -> list[list[int]]:
+def batches_for_epoch(
+    n: int, batch_size: int, seed: int, epoch: int, lengths: list[int] | None = None, megabatch: int = 32
+) -> list[list[int]]:
     """Shuffled index batches of epoch ``epoch``; a pure function of its arguments.
 
     With ``lengths`` (tokens per example) batches are grouped by length the way transformers'
@@ -181,12 +186,12 @@ def batches_for_epoch(n: int, batch_size: int, seed: int, epoch: int,
     order = list(range(n))
     rng.shuffle(order)
     if lengths is None:
-        return [order[i:i + batch_size] for i in range(0, n, batch_size)]
+        return [order[i : i + batch_size] for i in range(0, n, batch_size)]
     span = batch_size * megabatch
     batches = []
     for m in range(0, n, span):
-        group = sorted(order[m:m + span], key=lambda i: -lengths[i])
-        batches += [group[i:i + batch_size] for i in range(0, len(group), batch_size)]
+        group = sorted(order[m : m + span], key=lambda i: -lengths[i])
+        batches += [group[i : i + batch_size] for i in range(0, len(group), batch_size)]
     rng.shuffle(batches)
     return batches
 
@@ -196,7 +201,7 @@ def split_batch(batch: list[int], parts: int) -> list[list[int]] | None:
     size = len(batch) // parts
     if size == 0:
         return None
-    return [batch[j * size:(j + 1) * size] for j in range(parts)]
+    return [batch[j * size : (j + 1) * size] for j in range(parts)]
 
 
 class StepSchedule:
@@ -204,11 +209,20 @@ class StepSchedule:
 
     Raises ValueError when batch_size is not a multiple of micro_batch_size * world_size."""
 
-    def __init__(self, n: int, batch_size: int, micro_batch_size: int, world_size: int, seed: int,
-                 lengths: list[int] | None = None):
+    def __init__(
+        self,
+        n: int,
+        batch_size: int,
+        micro_batch_size: int,
+        world_size: int,
+        seed: int,
+        lengths: list[int] | None = None,
+    ):
         if micro_batch_size < 1 or batch_size % (micro_batch_size * world_size):
-            raise ValueError(f"batch_size {batch_size} must be a multiple of micro_batch_size {micro_batch_size} x "
-                             f"{world_size} processes (gradient accumulation = batch_size / (micro x processes))")
+            raise ValueError(
+                f"batch_size {batch_size} must be a multiple of micro_batch_size {micro_batch_size} x "
+                f"{world_size} processes (gradient accumulation = batch_size / (micro x processes))"
+            )
         self.n, self.batch_size, self.seed, self.lengths = n, batch_size, seed, lengths
         self.parts = batch_size // micro_batch_size
         self.world_size = world_size
@@ -216,8 +230,9 @@ class StepSchedule:
         self._epoch: tuple[int, list[list[list[int]]]] | None = None
         self.steps_per_epoch = len(self.epoch_steps(0))
         if self.steps_per_epoch == 0:
-            raise ValueError(f"{n} sequences make no step of {self.parts} micro-batches; lower "
-                             "batch_size or micro_batch_size")
+            raise ValueError(
+                f"{n} sequences make no step of {self.parts} micro-batches; lower batch_size or micro_batch_size"
+            )
 
     def epoch_steps(self, epoch: int) -> list[list[list[int]]]:
         """Epoch ``epoch`` as steps, each a list of ``parts`` micro-batches (cached for the current epoch)."""
@@ -231,7 +246,7 @@ class StepSchedule:
         """Rank ``rank``'s micro-batches (``grad_accum`` of them) at optimiser step ``step`` (0-based)."""
         epoch, within = divmod(step, self.steps_per_epoch)
         parts = self.epoch_steps(epoch)[within]
-        return parts[rank * self.grad_accum:(rank + 1) * self.grad_accum]
+        return parts[rank * self.grad_accum : (rank + 1) * self.grad_accum]
 
     def total_steps(self, epochs: int, max_steps: int | None) -> int:
         """Optimiser steps of a run: ``epochs`` epochs, capped by ``max_steps``."""

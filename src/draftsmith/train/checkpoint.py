@@ -19,6 +19,7 @@ Two levels: :func:`save_checkpoint` / :func:`load_checkpoint` take a module and 
 (single process); :func:`begin_checkpoint`, :func:`write_checkpoint`, :func:`commit_checkpoint` and
 :func:`read_checkpoint` work on plain name -> tensor mappings, for callers that gather shards first.
 """
+
 from __future__ import annotations
 
 import json
@@ -63,10 +64,16 @@ def commit_checkpoint(path: str | Path) -> Path:
     return path
 
 
-def write_checkpoint(folder: str | Path, params: dict[str, torch.Tensor],
-                     optimizer_state: dict[str, dict] | None = None, param_groups: list[dict] | None = None,
-                     scheduler_state: dict | None = None, step: int = 0, extra: dict | None = None,
-                     vocab_map=None) -> None:
+def write_checkpoint(
+    folder: str | Path,
+    params: dict[str, torch.Tensor],
+    optimizer_state: dict[str, dict] | None = None,
+    param_groups: list[dict] | None = None,
+    scheduler_state: dict | None = None,
+    step: int = 0,
+    extra: dict | None = None,
+    vocab_map=None,
+) -> None:
     """Write the checkpoint files into ``folder`` (normally the staging directory of :func:`begin_checkpoint`).
 
     params: full tensors by parameter name. optimizer_state: ``{param name: {state key: tensor or
@@ -104,16 +111,29 @@ def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optim
     return {ids[id(p)]: dict(st) for p, st in optimizer.state.items()}
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                    scheduler=None, step: int = 0, extra: dict | None = None, vocab_map=None) -> Path:
+def save_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler=None,
+    step: int = 0,
+    extra: dict | None = None,
+    vocab_map=None,
+) -> Path:
     """Write a checkpoint directory at ``path`` atomically from a (single-process) model; returns ``path``.
 
     ``extra`` must be JSON-serialisable (data position, config, ...)."""
     tmp = begin_checkpoint(path)
-    write_checkpoint(tmp, _named_params(model),
-                     optimizer_state_by_name(model, optimizer) if optimizer is not None else None,
-                     optimizer.param_groups if optimizer is not None else None,
-                     scheduler.state_dict() if scheduler is not None else None, step, extra, vocab_map)
+    write_checkpoint(
+        tmp,
+        _named_params(model),
+        optimizer_state_by_name(model, optimizer) if optimizer is not None else None,
+        optimizer.param_groups if optimizer is not None else None,
+        scheduler.state_dict() if scheduler is not None else None,
+        step,
+        extra,
+        vocab_map,
+    )
     return commit_checkpoint(path)
 
 
@@ -189,8 +209,9 @@ def restore_rng(rng: dict[str, torch.Tensor]) -> None:
             torch.cuda.set_rng_state_all(cuda)
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler=None) -> dict:
+def load_checkpoint(
+    path: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, scheduler=None
+) -> dict:
     """Restore a checkpoint written by :func:`save_checkpoint` in place; returns its ``state.json``.
 
     Raises FileNotFoundError when ``path`` holds no checkpoint, KeyError when parameter names differ."""

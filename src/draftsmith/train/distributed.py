@@ -31,6 +31,7 @@ a step's global batch is cut into the same micro-batches whatever the world size
 DDP/FSDP/ZeRO average gradients over ranks exactly as gradient accumulation averages them over
 micro-batches on one process.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -52,7 +53,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 STRATEGIES = ("single", "ddp", "fsdp", "zero2", "zero3")
-HEAD_PREFIX = "head."      # the drafter sits at ``module.head`` inside the objective that gets wrapped
+HEAD_PREFIX = "head."  # the drafter sits at ``module.head`` inside the objective that gets wrapped
 
 
 class LaunchError(RuntimeError):
@@ -65,10 +66,15 @@ def _env_flag(name: str) -> bool:
 
 def _cpu_launch_hint(strategy: str) -> str:
     config = {"single": "single", "ddp": "ddp", "fsdp": "fsdp", "zero2": "zero2", "zero3": "zero3"}.get(strategy, "ddp")
-    cpu = ("on CPU without ACCELERATE_USE_CPU, which turns DeepSpeed off" if config.startswith("zero")
-           else "on CPU prefix ACCELERATE_USE_CPU=1")
-    return (f"launch with `accelerate launch --config_file recipes/accelerate/{config}.yaml --num_processes N ...` "
-            f"({cpu}; `accelerate launch --cpu --num_processes N` starts ONE process)")
+    cpu = (
+        "on CPU without ACCELERATE_USE_CPU, which turns DeepSpeed off"
+        if config.startswith("zero")
+        else "on CPU prefix ACCELERATE_USE_CPU=1"
+    )
+    return (
+        f"launch with `accelerate launch --config_file recipes/accelerate/{config}.yaml --num_processes N ...` "
+        f"({cpu}; `accelerate launch --cpu --num_processes N` starts ONE process)"
+    )
 
 
 def make_accelerator(mixed_precision: str, log_with: list[str] | None = None, project_dir: str | None = None):
@@ -85,8 +91,13 @@ def make_accelerator(mixed_precision: str, log_with: list[str] | None = None, pr
     deepspeed = _env_flag("ACCELERATE_USE_DEEPSPEED")
     handlers = [InitProcessGroupKwargs(backend="gloo")] if deepspeed and not cuda else []
     # cpu=True (like ACCELERATE_USE_CPU=1) would turn DeepSpeed off: accelerate then falls back to DDP
-    return Accelerator(mixed_precision=mixed_precision, cpu=not cuda and not deepspeed, kwargs_handlers=handlers,
-                       log_with=log_with or None, project_dir=project_dir)
+    return Accelerator(
+        mixed_precision=mixed_precision,
+        cpu=not cuda and not deepspeed,
+        kwargs_handlers=handlers,
+        log_with=log_with or None,
+        project_dir=project_dir,
+    )
 
 
 def launched_strategy(accelerator) -> str:
@@ -100,13 +111,17 @@ def launched_strategy(accelerator) -> str:
     if dt == DistributedType.DEEPSPEED:
         stage = int(accelerator.state.deepspeed_plugin.zero_stage)
         if stage not in (2, 3):
-            raise LaunchError(f"DeepSpeed ZeRO stage {stage} is not a draftsmith strategy; use recipes/accelerate/"
-                              "zero2.yaml or zero3.yaml")
+            raise LaunchError(
+                f"DeepSpeed ZeRO stage {stage} is not a draftsmith strategy; use recipes/accelerate/"
+                "zero2.yaml or zero3.yaml"
+            )
         return f"zero{stage}"
     if dt == DistributedType.FSDP or _env_flag("ACCELERATE_USE_FSDP"):
         if os.environ.get("FSDP_VERSION", "2") != "2":
-            raise LaunchError("draftsmith applies FSDP2 (fully_shard) itself: set fsdp_version: 2 in the accelerate "
-                              "config (recipes/accelerate/fsdp.yaml)")
+            raise LaunchError(
+                "draftsmith applies FSDP2 (fully_shard) itself: set fsdp_version: 2 in the accelerate "
+                "config (recipes/accelerate/fsdp.yaml)"
+            )
         return "fsdp"
     return "ddp" if accelerator.num_processes > 1 else "single"
 
@@ -122,11 +137,15 @@ def check_launch(accelerator, strategy: str = "auto", num_processes: int | None 
         raise ValueError(f"strategy {strategy!r} is not one of auto, {', '.join(STRATEGIES)}")
     got, world = launched_strategy(accelerator), accelerator.num_processes
     if num_processes is not None and world != num_processes:
-        raise LaunchError(f"the recipe expects {num_processes} processes (train.num_processes) but {world} were "
-                          f"launched; {_cpu_launch_hint(strategy if strategy != 'auto' else got)}")
+        raise LaunchError(
+            f"the recipe expects {num_processes} processes (train.num_processes) but {world} were "
+            f"launched; {_cpu_launch_hint(strategy if strategy != 'auto' else got)}"
+        )
     if strategy != "auto" and got != strategy:
-        raise LaunchError(f"the recipe asks for strategy {strategy!r} (train.strategy) but the launcher started "
-                          f"{got!r} on {world} process(es); {_cpu_launch_hint(strategy)}")
+        raise LaunchError(
+            f"the recipe asks for strategy {strategy!r} (train.strategy) but the launcher started "
+            f"{got!r} on {world} process(es); {_cpu_launch_hint(strategy)}"
+        )
     if got != "single" and world < 2:
         raise LaunchError(f"strategy {got!r} was launched on a single process; {_cpu_launch_hint(got)}")
     return got
@@ -146,10 +165,10 @@ def whole_parameters():
     ``accelerate.prepare``, which partitions it once, as for an EAGLE-3 head."""
     try:
         from transformers.integrations import deepspeed as hf_deepspeed
-    except ImportError:                       # no transformers DeepSpeed integration: nothing to undo
+    except ImportError:  # no transformers DeepSpeed integration: nothing to undo
         yield
         return
-    ref = hf_deepspeed._hf_deepspeed_config_weak_ref      # kept alive by accelerate's plugin (``dschf``)
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref  # kept alive by accelerate's plugin (``dschf``)
     config = ref() if ref is not None else None
     if config is None:
         yield
@@ -172,8 +191,14 @@ def configure_deepspeed(accelerator, micro_batch_size: int, grad_accum: int, gra
     cfg["gradient_clipping"] = grad_clip
 
 
-def apply_fsdp2(module: torch.nn.Module, device: torch.device, world_size: int, mixed_precision: str,
-                reshard_after_forward: bool = True, units=None) -> torch.nn.Module:
+def apply_fsdp2(
+    module: torch.nn.Module,
+    device: torch.device,
+    world_size: int,
+    mixed_precision: str,
+    reshard_after_forward: bool = True,
+    units=None,
+) -> torch.nn.Module:
     """Shard ``module`` (the objective holding the drafter at ``.head``) with FSDP2 ``fully_shard`` over
     all ranks.
 
@@ -185,9 +210,10 @@ def apply_fsdp2(module: torch.nn.Module, device: torch.device, world_size: int, 
 
     mesh = init_device_mesh(device.type, (world_size,))
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(mixed_precision)
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None,
-                                  cast_forward_inputs=False)
-    for unit in ([module.head.midlayer] if units is None else units):
+    policy = MixedPrecisionPolicy(
+        param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None, cast_forward_inputs=False
+    )
+    for unit in [module.head.midlayer] if units is None else units:
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
     return module
@@ -236,8 +262,14 @@ class ShardingReport:
 
     def as_dict(self) -> dict:
         """JSON-ready view (logged and returned in ``TrainResult.sharding``)."""
-        return {"strategy": self.strategy, "world_size": self.world_size, "rank": self.rank,
-                "local_elements": self.local, "full_elements": self.full, "local_fraction": round(self.fraction, 4)}
+        return {
+            "strategy": self.strategy,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "local_elements": self.local,
+            "full_elements": self.full,
+            "local_fraction": round(self.fraction, 4),
+        }
 
 
 def local_fraction(module: torch.nn.Module) -> float:
@@ -268,20 +300,24 @@ def sharding_report(strategy: str, accelerator, module, optimizer) -> ShardingRe
 def check_sharding(report: ShardingReport) -> None:
     """Raise LaunchError unless a sharded strategy really holds about 1/world of the state on this rank."""
     if report.strategy in ("fsdp", "zero2", "zero3"):
-        bound = math.ceil(report.full / report.world_size) * 1.25 + 1024      # padding / alignment slack
+        bound = math.ceil(report.full / report.world_size) * 1.25 + 1024  # padding / alignment slack
         if report.local > bound:
-            raise LaunchError(f"{report.strategy} on {report.world_size} ranks should hold about 1/{report.world_size} "
-                              f"of the {report.full} trainable elements on rank {report.rank}, it holds {report.local}")
+            raise LaunchError(
+                f"{report.strategy} on {report.world_size} ranks should hold about 1/{report.world_size} "
+                f"of the {report.full} trainable elements on rank {report.rank}, it holds {report.local}"
+            )
     elif report.local != report.full:
-        raise LaunchError(f"{report.strategy} should replicate the head, rank {report.rank} holds "
-                          f"{report.local} of {report.full} elements")
+        raise LaunchError(
+            f"{report.strategy} should replicate the head, rank {report.rank} holds "
+            f"{report.local} of {report.full} elements"
+        )
 
 
 # --------------------------------------------------------------------------------------------- full state
 
 
 def _strip(name: str) -> str:
-    return name[len(HEAD_PREFIX):] if name.startswith(HEAD_PREFIX) else name
+    return name[len(HEAD_PREFIX) :] if name.startswith(HEAD_PREFIX) else name
 
 
 def full_head_params(strategy: str, module, raw_module) -> dict[str, torch.Tensor]:
@@ -289,7 +325,6 @@ def full_head_params(strategy: str, module, raw_module) -> dict[str, torch.Tenso
 
     Collective for fsdp and zero3 (every rank must call it). ``raw_module`` is the unwrapped objective."""
     if strategy == "fsdp":
-
         sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
         trainable = {n for n, p in raw_module.named_parameters() if p.requires_grad}
         return {_strip(n): t.detach().cpu() for n, t in sd.items() if n in trainable}
@@ -309,21 +344,22 @@ def full_optimizer_state(strategy: str, module, raw_module, optimizer) -> dict[s
     if strategy in ("zero2", "zero3"):
         return None
     if strategy == "fsdp":
-
         sd = get_optimizer_state_dict(module, optimizer, options=StateDictOptions(full_state_dict=True))
-        return {_strip(n): {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in st.items()}
-                for n, st in sd["state"].items()}
+        return {
+            _strip(n): {k: v.detach().cpu() if torch.is_tensor(v) else v for k, v in st.items()}
+            for n, st in sd["state"].items()
+        }
     ids = {id(p): _strip(n) for n, p in raw_module.named_parameters() if p.requires_grad}
     return {ids[id(p)]: dict(st) for p, st in optimizer.state.items()}
 
 
-def load_full_optimizer_state(strategy: str, module, raw_module, optimizer, state: dict[str, dict],
-                              param_groups: list[dict]) -> None:
+def load_full_optimizer_state(
+    strategy: str, module, raw_module, optimizer, state: dict[str, dict], param_groups: list[dict]
+) -> None:
     """Install a full optimizer state (as :func:`full_optimizer_state` returns it) into ``optimizer``.
 
     For fsdp every rank passes the full state and keeps its shard (collective)."""
     if strategy == "fsdp":
-
         names = [n for n, p in raw_module.named_parameters() if p.requires_grad]
         groups = [{**saved, "params": names} for saved in param_groups[:1]] or [{"params": names}]
         osd = {"state": {HEAD_PREFIX + n: st for n, st in state.items()}, "param_groups": groups}

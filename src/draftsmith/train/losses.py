@@ -4,6 +4,7 @@ Row t of a batch predicts token t+1 (the target's next-token distribution there 
 EAGLE-3 (``drafters/eagle3/ttt.py``), the MLP speculator and the draft model weigh rows alike
 (:func:`row_weights`) and compare distributions with :func:`soft_cross_entropy`.
 """
+
 from __future__ import annotations
 
 import torch
@@ -18,8 +19,9 @@ def shift_left(x: torch.Tensor, n: int, fill) -> torch.Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def row_weights(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None,
-                prompt_loss_weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+def row_weights(
+    loss_mask: torch.Tensor, attention_mask: torch.Tensor | None, prompt_loss_weight: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Which rows a distillation loss scores, and with what weight (shared by every drafter's loss).
 
     Row t predicts token t+1: it weighs 1 when that token is supervised (``loss_mask`` [B, T] bool), else
@@ -31,8 +33,8 @@ def row_weights(loss_mask: torch.Tensor, attention_mask: torch.Tensor | None,
         raise ValueError(f"prompt_loss_weight must be in [0, 1], got {prompt_loss_weight}")
     if prompt_loss_weight > 0 and attention_mask is None:
         raise ValueError("prompt_loss_weight > 0 needs the attention_mask (padding must not be scored)")
-    predicts_supervised = shift_left(loss_mask.bool(), 1, False)                       # token t+1 supervised
-    row_weight = predicts_supervised.float()                                           # [B, T]
+    predicts_supervised = shift_left(loss_mask.bool(), 1, False)  # token t+1 supervised
+    row_weight = predicts_supervised.float()  # [B, T]
     if prompt_loss_weight > 0:
         predicts_real = shift_left(attention_mask.bool(), 1, False)
         row_weight = torch.where(predicts_supervised, 1.0, prompt_loss_weight * predicts_real.float())

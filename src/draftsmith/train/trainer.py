@@ -32,6 +32,7 @@ layers that proposer and the batches need (None: no hidden states). Optional hoo
 ``vocab_map`` (state kept with checkpoints). Then add a ``train_<drafter>`` entry that builds the spec
 and calls ``DrafterTrainer(spec, ...).run()``, and a branch in ``pipeline.run_train``.
 """
+
 from __future__ import annotations
 
 import abc
@@ -93,7 +94,7 @@ class TrainResult:
     seconds: float = 0.0
     is_main_process: bool = True
     sharding: dict = field(default_factory=dict)
-    precision: dict = field(default_factory=dict)     #: ``precision.PrecisionChoice.as_dict()`` of the run
+    precision: dict = field(default_factory=dict)  #: ``precision.PrecisionChoice.as_dict()`` of the run
 
 
 class DrafterSpec(abc.ABC):
@@ -165,11 +166,13 @@ class DrafterSpec(abc.ABC):
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
     """Linear warmup then cosine to ``min_lr_ratio`` (multiplier of cfg.lr)."""
+
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / cfg.warmup_steps
         frac = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
         return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac))
+
     return f
 
 
@@ -190,7 +193,9 @@ def _trackers(cfg: TrainConfig) -> list[str]:
         if name not in TRACKERS:
             raise ValueError(f"unknown tracker {name!r} in train.trackers; known: {', '.join(TRACKERS)}")
         if not any(importlib.util.find_spec(m) for m in TRACKERS[name]):
-            raise ImportError(f"train.trackers asks for {name} but it is not installed: pip install {TRACKERS[name][0]}")
+            raise ImportError(
+                f"train.trackers asks for {name} but it is not installed: pip install {TRACKERS[name][0]}"
+            )
     return names
 
 
@@ -214,51 +219,74 @@ class DrafterTrainer:
             drafter, offline shards captured at other aux layers.
     """
 
-    def __init__(self, spec: DrafterSpec, target, data, cfg: TrainConfig, out_dir: Path, pad_id: int | None,
-                 run_config: dict | None = None, heldout: list[dict] | None = None, tokenizer=None):
+    def __init__(
+        self,
+        spec: DrafterSpec,
+        target,
+        data,
+        cfg: TrainConfig,
+        out_dir: Path,
+        pad_id: int | None,
+        run_config: dict | None = None,
+        heldout: list[dict] | None = None,
+        tokenizer=None,
+    ):
 
         unknown = set(spec.batch_fields) - set(BATCH_FIELDS)
         if unknown:
-            raise ValueError(f"drafter {spec.name!r} asks for unknown batch field(s) {sorted(unknown)}; "
-                             f"known: {', '.join(BATCH_FIELDS)}")
+            raise ValueError(
+                f"drafter {spec.name!r} asks for unknown batch field(s) {sorted(unknown)}; "
+                f"known: {', '.join(BATCH_FIELDS)}"
+            )
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         set_seed(cfg.seed)
         self.spec, self.cfg, self.out_dir = spec, cfg, Path(out_dir)
         self.target, self.tokenizer, self.run_config = target, tokenizer, run_config or {}
-        self.acceptance_k = self._acceptance_k()          # refused before anything is loaded or built
+        self.acceptance_k = self._acceptance_k()  # refused before anything is loaded or built
         trackers = _trackers(cfg)
         self.precision = resolve_mixed_precision(cfg.mixed_precision, default_device())
-        acc = self.accelerator = dist_utils.make_accelerator(self.precision.value, trackers,
-                                                             str(self.out_dir / "logs") if trackers else None)
+        acc = self.accelerator = dist_utils.make_accelerator(
+            self.precision.value, trackers, str(self.out_dir / "logs") if trackers else None
+        )
         self.strategy = dist_utils.check_launch(acc, cfg.strategy, cfg.num_processes)
         if self.strategy == "fsdp" and self.precision.value == "fp16":
-            raise ValueError("strategy fsdp trains in fp32 or bf16 (train.mixed_precision no | bf16): its optimizer "
-                             "step does not unscale fp16 gradients")
+            raise ValueError(
+                "strategy fsdp trains in fp32 or bf16 (train.mixed_precision no | bf16): its optimizer "
+                "step does not unscale fp16 gradients"
+            )
         if cfg.target_sharding == "fsdp" and self.strategy != "fsdp":
             raise ValueError(f"train.target_sharding=fsdp needs strategy fsdp, the run is {self.strategy}")
         self.ckpt = self.out_dir / "checkpoint"
         resume = read_checkpoint(self.ckpt) if (self.ckpt / "state.json").exists() else None
         if resume is not None:
-            saved = resume.state["extra"].get("drafter")       # None: written before specs (only EAGLE-3 trained)
+            saved = resume.state["extra"].get("drafter")  # None: written before specs (only EAGLE-3 trained)
             if saved != spec.name and not (saved is None and spec.reads_unnamed_checkpoints):
-                raise ValueError(f"{self.ckpt} holds a checkpoint of drafter {saved!r}, this run trains {spec.name!r}; "
-                                 "use another out_dir (recipe name) or delete the checkpoint")
+                raise ValueError(
+                    f"{self.ckpt} holds a checkpoint of drafter {saved!r}, this run trains {spec.name!r}; "
+                    "use another out_dir (recipe name) or delete the checkpoint"
+                )
             spec.restore(self.ckpt, resume)
         target.requires_grad_(False)
         if cfg.target_sharding == "fsdp":
             dist_utils.shard_target_fsdp2(target, acc.device, acc.num_processes)
         else:
             target.to(acc.device)
-        with dist_utils.whole_parameters():       # ZeRO-3 partitions it in prepare, not at construction
+        with dist_utils.whole_parameters():  # ZeRO-3 partitions it in prepare, not at construction
             drafter = spec.build(target)
         if resume is not None:
             restore_params(drafter, resume.params, f"checkpoint {self.ckpt}")
-        pad_id = 0 if pad_id is None else pad_id      # e.g. Llama-3.1 has no pad token; padding is never read
+        pad_id = 0 if pad_id is None else pad_id  # e.g. Llama-3.1 has no pad token; padding is never read
         self.source = self._source(data, target, pad_id, drafter)
         micro = micro_batch_size(cfg.batch_size, cfg.micro_batch_size, acc.num_processes)
-        self.schedule = StepSchedule(len(self.source), cfg.batch_size, micro, acc.num_processes, cfg.seed,
-                                     self.source.lengths() if cfg.group_by_length else None)
+        self.schedule = StepSchedule(
+            len(self.source),
+            cfg.batch_size,
+            micro,
+            acc.num_processes,
+            cfg.seed,
+            self.source.lengths() if cfg.group_by_length else None,
+        )
         acc.gradient_accumulation_steps = self.schedule.grad_accum
         self._check_resumed_schedule(resume)
         self.total = self.schedule.total_steps(cfg.epochs, cfg.max_steps)
@@ -269,10 +297,13 @@ class DrafterTrainer:
         self.sharding = report.as_dict()
         if cfg.target_sharding == "fsdp":
             self.sharding["target_layers_local_fraction"] = round(
-                dist_utils.local_fraction(target.get_decoder().layers), 4)
-        acc.print(f"draftsmith train: {self.strategy} on {acc.num_processes} process(es), {self.source.mode} mode, "
-                  f"{self.schedule.grad_accum} accumulation step(s) of {micro} sequences per process; rank 0 holds "
-                  f"{report.local}/{report.full} trainable elements")
+                dist_utils.local_fraction(target.get_decoder().layers), 4
+            )
+        acc.print(
+            f"draftsmith train: {self.strategy} on {acc.num_processes} process(es), {self.source.mode} mode, "
+            f"{self.schedule.grad_accum} accumulation step(s) of {micro} sequences per process; rank 0 holds "
+            f"{report.local}/{report.full} trainable elements"
+        )
         acc.print(f"draftsmith train: mixed precision {self.precision.value} ({self.precision.reason})")
         logger.info("mixed precision %s: %s", self.precision.value, self.precision.reason)
         self.step, self.log = (resume.step, resume.state["extra"].get("log", [])) if resume else (0, [])
@@ -280,11 +311,15 @@ class DrafterTrainer:
             restore_rng(resume.rng)
         self.heldout = heldout_prompts(heldout or [], cfg.acceptance.prompts) if cfg.acceptance.every else []
         if cfg.acceptance.every and (not self.heldout or tokenizer is None):
-            raise ValueError("acceptance.every > 0 needs held-out conversations and the tokenizer "
-                             "(data.heldout_conversations > 0)")
+            raise ValueError(
+                "acceptance.every > 0 needs held-out conversations and the tokenizer (data.heldout_conversations > 0)"
+            )
         if trackers:
-            acc.init_trackers(cfg.wandb_project or "draftsmith", config=_flat(self.run_config),
-                              init_kwargs={"wandb": {"dir": str(self.out_dir)}})
+            acc.init_trackers(
+                cfg.wandb_project or "draftsmith",
+                config=_flat(self.run_config),
+                init_kwargs={"wandb": {"dir": str(self.out_dir)}},
+            )
 
     # -- setup helpers -------------------------------------------------------------------------
     def _acceptance_k(self) -> int:
@@ -293,26 +328,41 @@ class DrafterTrainer:
         Raises ValueError above the spec's ``max_k``; warns once above its ``trained_depth``."""
         k = self.cfg.acceptance.k or getattr(self.spec.section, "num_speculative_tokens", None) or 5
         if self.cfg.acceptance.every and self.spec.max_k is not None and k > self.spec.max_k:
-            raise ValueError(f"train.acceptance.k={k} > {self.spec.max_k}, the most the {self.spec.name} drafter drafts "
-                             f"per step: set train.acceptance.k <= {self.spec.max_k}")
+            raise ValueError(
+                f"train.acceptance.k={k} > {self.spec.max_k}, the most the {self.spec.name} drafter drafts "
+                f"per step: set train.acceptance.k <= {self.spec.max_k}"
+            )
         depth = self.spec.trained_depth
         if self.cfg.acceptance.every and depth is not None and k > depth:
-            logger.warning("train.acceptance.k=%d exceeds %s=%d, the depth the %s drafter is trained for: drafts "
-                           "past position %d come from untrained steps and are rarely accepted", k,
-                           self.spec.trained_depth_field, depth, self.spec.name, depth)
+            logger.warning(
+                "train.acceptance.k=%d exceeds %s=%d, the depth the %s drafter is trained for: drafts "
+                "past position %d come from untrained steps and are rarely accepted",
+                k,
+                self.spec.trained_depth_field,
+                depth,
+                self.spec.name,
+                depth,
+            )
         return k
 
     def schedule_key(self) -> dict:
         """What the data order depends on (not the world size: any number of processes reads the same data)."""
-        return {"sequences": len(self.source), "batch_size": self.cfg.batch_size, "micro_batches": self.schedule.parts,
-                "seed": self.cfg.seed, "group_by_length": self.cfg.group_by_length}
+        return {
+            "sequences": len(self.source),
+            "batch_size": self.cfg.batch_size,
+            "micro_batches": self.schedule.parts,
+            "seed": self.cfg.seed,
+            "group_by_length": self.cfg.group_by_length,
+        }
 
     def _check_resumed_schedule(self, resume) -> None:
         saved = resume.state["extra"].get("schedule") if resume is not None else None
         if saved is not None and saved != self.schedule_key():
-            raise ValueError(f"{self.ckpt} was written with the data schedule {saved}, this run has "
-                             f"{self.schedule_key()}: step {resume.step} would point at other data; keep the "
-                             "batch sizes, seed and data of the run (the number of processes may change)")
+            raise ValueError(
+                f"{self.ckpt} was written with the data schedule {saved}, this run has "
+                f"{self.schedule_key()}: step {resume.step} would point at other data; keep the "
+                "batch sizes, seed and data of the run (the number of processes may change)"
+            )
 
     def _source(self, data, target, pad_id: int, drafter):
 
@@ -323,8 +373,10 @@ class DrafterTrainer:
                 logger.info("data is a capture folder: training in offline mode")
             return OfflineSource(data, target.get_output_embeddings(), pad_id, aux, fields)
         if self.cfg.mode == "offline":
-            raise ValueError("train.mode is offline but the data is not a capture folder (ShardReader); run "
-                             "`draftsmith capture RECIPE` first")
+            raise ValueError(
+                "train.mode is offline but the data is not a capture folder (ShardReader); run "
+                "`draftsmith capture RECIPE` first"
+            )
         return OnlineSource(data, target, pad_id, aux, fields)
 
     def _wrap(self, micro: int, resume) -> None:
@@ -332,17 +384,27 @@ class DrafterTrainer:
         cfg, acc, strategy = self.cfg, self.accelerator, self.strategy
         zero = strategy in ("zero2", "zero3")
         if resume is not None and zero != (resume.path / "deepspeed").exists():
-            raise ValueError(f"{self.ckpt} was written by a {'non-' if zero else ''}DeepSpeed run; resume it with the "
-                             f"strategy family that wrote it (strategy {resume.state['extra'].get('strategy')!r})")
+            raise ValueError(
+                f"{self.ckpt} was written by a {'non-' if zero else ''}DeepSpeed run; resume it with the "
+                f"strategy family that wrote it (strategy {resume.state['extra'].get('strategy')!r})"
+            )
         if strategy == "fsdp":
-            dist_utils.apply_fsdp2(self.raw, acc.device, acc.num_processes, self.precision.value,
-                                   units=self.spec.fsdp_units(self.raw.head))
-        self.base_optimizer = torch.optim.AdamW(self.raw.parameters(), lr=cfg.lr, betas=(0.9, 0.95),
-                                                weight_decay=cfg.weight_decay)
+            dist_utils.apply_fsdp2(
+                self.raw, acc.device, acc.num_processes, self.precision.value, units=self.spec.fsdp_units(self.raw.head)
+            )
+        self.base_optimizer = torch.optim.AdamW(
+            self.raw.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.base_optimizer, lr_lambda(cfg, self.total))
         if resume is not None and not zero:
-            dist_utils.load_full_optimizer_state(strategy, self.raw, self.raw, self.base_optimizer,
-                                                 resume.optimizer_state, resume.state.get("param_groups", []))
+            dist_utils.load_full_optimizer_state(
+                strategy,
+                self.raw,
+                self.raw,
+                self.base_optimizer,
+                resume.optimizer_state,
+                resume.state.get("param_groups", []),
+            )
         if strategy == "fsdp":
             self.module, self.optimizer = self.raw, self.base_optimizer
         else:
@@ -351,12 +413,16 @@ class DrafterTrainer:
             self.module, self.optimizer = acc.prepare(self.raw, self.base_optimizer)
         if resume is not None:
             if zero:
-                self.module.load_checkpoint(str(resume.path / "deepspeed"), tag="state", load_optimizer_states=True,
-                                            load_lr_scheduler_states=False)
+                self.module.load_checkpoint(
+                    str(resume.path / "deepspeed"),
+                    tag="state",
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=False,
+                )
             if "scheduler" in resume.state:
                 self.scheduler.load_state_dict(resume.state["scheduler"])
             for group, lr in zip(self.base_optimizer.param_groups, self.scheduler.get_last_lr()):
-                group["lr"] = lr                  # the schedule's value for the next step
+                group["lr"] = lr  # the schedule's value for the next step
 
     # -- the algorithm -------------------------------------------------------------------------
     def _forward_backward(self, batch: TrainBatch, last: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -386,15 +452,15 @@ class DrafterTrainer:
         acc = self.accelerator
         micro = self.schedule.micro_batches(self.step, acc.process_index)
         steps = self.spec.num_steps
-        totals = torch.zeros(3 + 2 * steps, dtype=torch.float64)    # loss sum, micro-batches, tokens, hits, counts
+        totals = torch.zeros(3 + 2 * steps, dtype=torch.float64)  # loss sum, micro-batches, tokens, hits, counts
         for j, indices in enumerate(micro):
             batch = self.source.batch(indices, acc.device)
             loss, stats = self._forward_backward(batch, last=j == len(micro) - 1)
             totals[0] += float(loss)
             totals[1] += 1
             totals[2] += batch.num_tokens
-            totals[3:3 + steps] += stats[1] * stats[2]
-            totals[3 + steps:] += stats[2]
+            totals[3 : 3 + steps] += stats[1] * stats[2]
+            totals[3 + steps :] += stats[2]
         grad_norm = self._clip()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -402,9 +468,14 @@ class DrafterTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         totals = self._sum_over_ranks(totals)
-        hits, counts = totals[3:3 + steps], totals[3 + steps:]
-        return {"loss": float(totals[0] / totals[1]), "tokens": int(totals[2]), "grad_norm": grad_norm, "lr": lr,
-                **{f"acc_{i}": float(hits[i] / max(counts[i], 1.0)) for i in range(steps)}}
+        hits, counts = totals[3 : 3 + steps], totals[3 + steps :]
+        return {
+            "loss": float(totals[0] / totals[1]),
+            "tokens": int(totals[2]),
+            "grad_norm": grad_norm,
+            "lr": lr,
+            **{f"acc_{i}": float(hits[i] / max(counts[i], 1.0)) for i in range(steps)},
+        }
 
     def _sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
         if self.accelerator.num_processes == 1:
@@ -421,7 +492,7 @@ class DrafterTrainer:
         if self.strategy not in ("fsdp", "zero3"):
             return drafter
         params = dist_utils.full_head_params(self.strategy, self.module, self.raw)
-        with torch.random.fork_rng(devices=[]), dist_utils.whole_parameters():   # throwaway init: RNG untouched
+        with torch.random.fork_rng(devices=[]), dist_utils.whole_parameters():  # throwaway init: RNG untouched
             copy = self.spec.build(self.target, fresh=True)
         restore_params(copy, params, "gathered drafter")
         return copy.to(self.accelerator.device)
@@ -431,7 +502,7 @@ class DrafterTrainer:
         acc, a = self.accelerator, self.cfg.acceptance
         drafter = self.full_drafter()
         was_training = drafter.training
-        drafter.eval()                        # as served; restored below
+        drafter.eval()  # as served; restored below
         vocab_size = int(self.target.get_output_embeddings().weight.shape[0])
         make = lambda: self.spec.proposer(drafter, vocab_size)  # noqa: E731
         aux = self.spec.aux_layer_ids(drafter)
@@ -439,9 +510,17 @@ class DrafterTrainer:
         rank, world = (0, 1) if self.cfg.target_sharding == "fsdp" else (acc.process_index, acc.num_processes)
         try:
             with torch.no_grad():
-                stats = measure_acceptance(self.target, self.tokenizer, make, self.heldout, self.acceptance_k,
-                                           a.max_new_tokens,
-                                           rank, world, aux_layer_ids=aux)
+                stats = measure_acceptance(
+                    self.target,
+                    self.tokenizer,
+                    make,
+                    self.heldout,
+                    self.acceptance_k,
+                    a.max_new_tokens,
+                    rank,
+                    world,
+                    aux_layer_ids=aux,
+                )
         finally:
             drafter.train(was_training)
         if world == 1:
@@ -465,22 +544,36 @@ class DrafterTrainer:
             self.module.save_checkpoint(str(staging / "deepspeed"), tag="state", save_latest=False)
             acc.wait_for_everyone()
         if acc.is_main_process:
-            extra = {"log": self.log, "drafter": self.spec.name, **self.spec.checkpoint_extra(),
-                     "config": self.run_config, "strategy": strategy, "world_size": acc.num_processes,
-                     "mode": self.source.mode, "schedule": self.schedule_key(),
-                     "precision": self.precision.as_dict()}
-            write_checkpoint(staging, params, optim, self.base_optimizer.param_groups, self.scheduler.state_dict(),
-                             self.step, extra, self.spec.vocab_map)
+            extra = {
+                "log": self.log,
+                "drafter": self.spec.name,
+                **self.spec.checkpoint_extra(),
+                "config": self.run_config,
+                "strategy": strategy,
+                "world_size": acc.num_processes,
+                "mode": self.source.mode,
+                "schedule": self.schedule_key(),
+                "precision": self.precision.as_dict(),
+            }
+            write_checkpoint(
+                staging,
+                params,
+                optim,
+                self.base_optimizer.param_groups,
+                self.scheduler.state_dict(),
+                self.step,
+                extra,
+                self.spec.vocab_map,
+            )
             self._commit(self.ckpt)
         acc.wait_for_everyone()
 
     def run(self) -> TrainResult:
         """Train from the current step to the end; returns the full drafter and the log."""
         acc, cfg = self.accelerator, self.cfg
-        bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.spec.name}",
-                   disable=not acc.is_main_process)
+        bar = tqdm(total=self.total, initial=self.step, desc=f"train {self.spec.name}", disable=not acc.is_main_process)
         t0 = time.time()
-        tokens, busy = 0, 0.0                   # since the last log entry: tokens trained, seconds in train_step
+        tokens, busy = 0, 0.0  # since the last log entry: tokens trained, seconds in train_step
         while self.step < self.total:
             started = time.time()
             figures = self.train_step()
@@ -492,9 +585,12 @@ class DrafterTrainer:
             if measured:
                 figures.update(self.measure_acceptance())
             if self.step % cfg.log_every == 0 or self.step == self.total or measured:
-                entry = {"step": self.step, "epoch": (self.step - 1) // self.schedule.steps_per_epoch,
-                         "tokens_per_s": tokens / max(busy, 1e-9),
-                         **{k: v for k, v in figures.items() if k != "tokens"}}
+                entry = {
+                    "step": self.step,
+                    "epoch": (self.step - 1) // self.schedule.steps_per_epoch,
+                    "tokens_per_s": tokens / max(busy, 1e-9),
+                    **{k: v for k, v in figures.items() if k != "tokens"},
+                }
                 tokens, busy = 0, 0.0
                 self.log.append(entry)
                 acc.log(entry, step=self.step)
@@ -504,10 +600,11 @@ class DrafterTrainer:
                 self.save()
         bar.close()
         drafter = self.full_drafter()
-        for tracker in acc.trackers:          # not acc.end_training(): it also destroys the process group
+        for tracker in acc.trackers:  # not acc.end_training(): it also destroys the process group
             tracker.finish()
         if acc.is_main_process:
             self.out_dir.mkdir(parents=True, exist_ok=True)
             (self.out_dir / "train_log.json").write_text(json.dumps(self.log, indent=1))
-        return TrainResult(drafter, self.step, self.log, time.time() - t0, acc.is_main_process, self.sharding,
-                           self.precision.as_dict())
+        return TrainResult(
+            drafter, self.step, self.log, time.time() - t0, acc.is_main_process, self.sharding, self.precision.as_dict()
+        )

@@ -2,6 +2,7 @@
 (``train.py``), drafting autoregressively with its own KV cache (``proposer.py``), exported as an HF model
 directory with draftsmith.json (``export.py``: export, check, load, card). A plain transformers causal LM with
 the target's tokenizer is served too (only the tokenizer and vocabulary are checked then)."""
+
 from __future__ import annotations
 
 import logging
@@ -14,7 +15,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from draftsmith import reference
 from draftsmith.core.proposer import Proposer
 from draftsmith.core.target import position_limit, resolve_max_model_len
-from draftsmith.drafters.base import example_target_name, Drafter, LoadedDrafter, MemoryItems, Sampling
+from draftsmith.drafters.base import Drafter, LoadedDrafter, MemoryItems, Sampling, example_target_name
 from draftsmith.drafters.draft_model.config import Section
 from draftsmith.drafters.draft_model.export import (
     check_draft_model,
@@ -39,12 +40,18 @@ class LoadedDraftModel(LoadedDrafter):
 
     def __init__(self, spec: SpeculativeConfig, model, target_vocab_size: int):
         self.spec, self.model, self.target_vocab_size = spec, model, target_vocab_size
-        DraftModelProposer(model, target_vocab_size)          # refuses a vocabulary size mismatch now
+        DraftModelProposer(model, target_vocab_size)  # refuses a vocabulary size mismatch now
 
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh ``DraftModelProposer`` (its own KV cache) drafting with the request's settings."""
-        return DraftModelProposer(self.model, self.target_vocab_size, temperature=sampling.temperature,
-                                  top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed)
+        return DraftModelProposer(
+            self.model,
+            self.target_vocab_size,
+            temperature=sampling.temperature,
+            top_k=sampling.top_k,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+        )
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """``proposer.check_draft_positions``: a learned position table shorter than max_model_len is refused."""
@@ -56,13 +63,14 @@ class DraftModelDrafter(Drafter):
 
     name = "draft_model"
     summary = "small causal LM with the target's tokenizer, distilled with forward KL against the target"
-    default_model = "reference-draft"              # the embedded draft of the embedded target
+    default_model = "reference-draft"  # the embedded draft of the embedded target
 
-    def load(self, spec: SpeculativeConfig, target_model, tokenizer, allow_mismatch: Sequence[str] = ()
-             ) -> LoadedDraftModel:
+    def load(
+        self, spec: SpeculativeConfig, target_model, tokenizer, allow_mismatch: Sequence[str] = ()
+    ) -> LoadedDraftModel:
         """Load the draft in the target's dtype on its device; a draftsmith export must record this target
         (``export.check_draft_model``), any draft must share the target's tokenizer and vocabulary size."""
-        if (Path(spec.model) / METADATA_FILE).is_file():          # exported by draftsmith: it records its target
+        if (Path(spec.model) / METADATA_FILE).is_file():  # exported by draftsmith: it records its target
             check_draft_model(spec.model, target_model, tokenizer, allow_mismatch=allow_mismatch)
         dtype = str(next(target_model.parameters()).dtype).removeprefix("torch.")
         draft, draft_tokenizer = load_causal_lm(spec.model, dtype=dtype, role="draft model")
@@ -84,13 +92,25 @@ class DraftModelDrafter(Drafter):
         config = AutoConfig.from_pretrained(reference.resolve(spec.model))
         weights = parameter_count(config) * dtype_bytes(dtype)
         per_token = kv_bytes_per_token(config, dtype)
-        return MemoryItems(fixed={"draft model weights": weights}, per_token={"draft model KV cache": per_token},
-                           advice=[f"use a smaller draft model (now {weights / MIB:.1f} MiB of weights + "
-                                   f"{per_token / 1024:.1f} KiB of KV cache per token), or a drafter that reads the "
-                                   "target's own hidden states (one small head, no model of its own)"])
+        return MemoryItems(
+            fixed={"draft model weights": weights},
+            per_token={"draft model KV cache": per_token},
+            advice=[
+                f"use a smaller draft model (now {weights / MIB:.1f} MiB of weights + "
+                f"{per_token / 1024:.1f} KiB of KV cache per token), or a drafter that reads the "
+                "target's own hidden states (one small head, no model of its own)"
+            ],
+        )
 
-    def check(self, head_dir, target_config: Any = None, tokenizer: Any = None, name_or_path: str | None = None,
-              allow_mismatch: Sequence[str] = (), tensor_parallel_size: int | None = None):
+    def check(
+        self,
+        head_dir,
+        target_config: Any = None,
+        tokenizer: Any = None,
+        name_or_path: str | None = None,
+        allow_mismatch: Sequence[str] = (),
+        tensor_parallel_size: int | None = None,
+    ):
         """``export.check_draft_model``; a tensor-parallel layout is not checked (a draft shards like any LM)."""
         if tensor_parallel_size is not None:
             raise ValueError("tensor_parallel_size applies to draft heads; a draft model shards like any LM")
@@ -100,8 +120,18 @@ class DraftModelDrafter(Drafter):
         """``train.DraftModelSpec`` (the target's tokenizer is checked against ``init_from``'s)."""
         return DraftModelSpec(section, tokenizer)
 
-    def export(self, module, out_dir, identity: dict, target_config, *, training: dict | None = None,
-               formats: Sequence[str] = ("draftsmith",), k: int | None = None, tokenizer=None) -> Path:
+    def export(
+        self,
+        module,
+        out_dir,
+        identity: dict,
+        target_config,
+        *,
+        training: dict | None = None,
+        formats: Sequence[str] = ("draftsmith",),
+        k: int | None = None,
+        tokenizer=None,
+    ) -> Path:
         """``export.export_draft_model``: an HF model directory with the target's tokenizer and draftsmith.json."""
         if tokenizer is None:
             raise ValueError("a draft model is exported with the target's tokenizer: pass tokenizer")
@@ -125,8 +155,12 @@ class DraftModelDrafter(Drafter):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             draft = build_draft_model(target_model, Section(init_from=None, num_hidden_layers=1))
-        out = export_draft_model(draft.eval(), tokenizer, Path(workdir) / self.name,
-                                 target_identity(target_model, tokenizer, example_target_name(target_model)))
+        out = export_draft_model(
+            draft.eval(),
+            tokenizer,
+            Path(workdir) / self.name,
+            target_identity(target_model, tokenizer, example_target_name(target_model)),
+        )
         return SpeculativeConfig(self.name, str(out), 3)
 
 

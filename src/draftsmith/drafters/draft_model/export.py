@@ -21,6 +21,7 @@ which the export checks. draftsmith's runtime (``inference.engine``) also reads 
 refuses a target other than the one recorded (:func:`check_draft_model`); a plain HF draft directory
 without draftsmith.json is still served, checked by its tokenizer only.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,15 +48,31 @@ from draftsmith.models import load_causal_lm
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["HEAD_TYPE", "draft_head_config", "export_draft_model", "check_draft_model", "load_draft_model",
-           "reexport_draft_model"]
+__all__ = [
+    "HEAD_TYPE",
+    "draft_head_config",
+    "export_draft_model",
+    "check_draft_model",
+    "load_draft_model",
+    "reexport_draft_model",
+]
 
 HEAD_TYPE = "draft_model"
-INDEX_FILE = "model.safetensors.index.json"      #: transformers' shard index (tensor -> file), when sharded
+INDEX_FILE = "model.safetensors.index.json"  #: transformers' shard index (tensor -> file), when sharded
 #: config fields recorded as the draft's geometry in draftsmith.json ``head_config``
-GEOMETRY_FIELDS = ("model_type", "architectures", "num_hidden_layers", "hidden_size", "intermediate_size",
-                   "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
-                   "max_position_embeddings")
+GEOMETRY_FIELDS = (
+    "model_type",
+    "architectures",
+    "num_hidden_layers",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "tie_word_embeddings",
+    "max_position_embeddings",
+)
 
 
 def draft_head_config(model) -> dict:
@@ -71,8 +88,9 @@ def _vocab_rows(model) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
 
-def export_draft_model(model, tokenizer, out_dir: str | Path, target_identity: dict, training: dict | None = None,
-                       eval: dict | None = None) -> Path:
+def export_draft_model(
+    model, tokenizer, out_dir: str | Path, target_identity: dict, training: dict | None = None, eval: dict | None = None
+) -> Path:
     """Write ``model`` (a transformers causal LM) and ``tokenizer`` (the target's) to ``out_dir`` as
     described in the module docstring; returns out_dir.
 
@@ -84,21 +102,30 @@ def export_draft_model(model, tokenizer, out_dir: str | Path, target_identity: d
     out_dir = Path(out_dir)
     v, want = _vocab_rows(model), target_identity.get("vocab_size")
     if want is not None and v != int(want):
-        raise ValueError(f"export: the draft's vocabulary has {v} tokens, the target's {want}; a draft model must "
-                         "predict over the target's vocabulary")
+        raise ValueError(
+            f"export: the draft's vocabulary has {v} tokens, the target's {want}; a draft model must "
+            "predict over the target's vocabulary"
+        )
     with staged_directory(out_dir) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         pickles = sorted(p.name for p in tmp.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".pkl"))
         if pickles:
-            raise RuntimeError(f"export: save_pretrained wrote pickle file(s) {pickles}; draftsmith ships "
-                               "safetensors only")
+            raise RuntimeError(
+                f"export: save_pretrained wrote pickle file(s) {pickles}; draftsmith ships safetensors only"
+            )
         weights = {p.name: file_sha256(p) for p in sorted(tmp.glob("*.safetensors"))}
         if not weights:
             raise RuntimeError(f"export: save_pretrained wrote no safetensors file into {tmp}")
-        meta = HeadMetadata(head_type=HEAD_TYPE, head_config=draft_head_config(model), draft_vocab_size=v,
-                            target=dict(target_identity), training=dict(training or {}), eval=dict(eval or {}),
-                            weights=weights)
+        meta = HeadMetadata(
+            head_type=HEAD_TYPE,
+            head_config=draft_head_config(model),
+            draft_vocab_size=v,
+            target=dict(target_identity),
+            training=dict(training or {}),
+            eval=dict(eval or {}),
+            weights=weights,
+        )
         write_metadata(tmp, meta)
         write_model_card(tmp, draft_model_card_lines, serve_dir=out_dir)
     logger.info("exported draft model to %s", out_dir)
@@ -118,8 +145,11 @@ def expected_lm_tensors(model_dir: Path, where: str) -> tuple[dict[str, tuple[in
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # noqa: BLE001 - any failure here is a directory transformers cannot load either
-        raise HeadMismatchError("config", f"{where}: config: transformers cannot build a causal LM from config.json "
-                                f"({type(e).__name__}: {e}); the loader could not either. Fix: re-export.") from None
+        raise HeadMismatchError(
+            "config",
+            f"{where}: config: transformers cannot build a causal LM from config.json "
+            f"({type(e).__name__}: {e}); the loader could not either. Fix: re-export.",
+        ) from None
     shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
     return shapes, set(getattr(model, "all_tied_weights_keys", None) or {})
 
@@ -131,8 +161,9 @@ def _weight_file_tensors(model_dir: Path, rel: str) -> dict[str, tuple[int, ...]
         with safe_open(str(model_dir / rel), "pt") as f:
             return {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
     except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
-        raise HeadMismatchError("weights", f"{model_dir / rel}: weights: the file cannot be read ({e}). "
-                                "Fix: re-export.") from None
+        raise HeadMismatchError(
+            "weights", f"{model_dir / rel}: weights: the file cannot be read ({e}). Fix: re-export."
+        ) from None
 
 
 def _weight_map(model_dir: Path, meta: HeadMetadata, where: str) -> dict[str, str] | None:
@@ -144,19 +175,26 @@ def _weight_map(model_dir: Path, meta: HeadMetadata, where: str) -> dict[str, st
     path = model_dir / INDEX_FILE
     if not path.is_file():
         if listed != [WEIGHTS_FILE]:
-            raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists {', '.join(listed)} but there "
-                                    f"is no {INDEX_FILE}: transformers and vLLM would not load them as one model. "
-                                    "Fix: re-export the draft model.")
+            raise HeadMismatchError(
+                "weights",
+                f"{where}: weights: draftsmith.json lists {', '.join(listed)} but there "
+                f"is no {INDEX_FILE}: transformers and vLLM would not load them as one model. "
+                "Fix: re-export the draft model.",
+            )
         return None
     try:
         weight_map = json.loads(path.read_text(encoding="utf-8"))["weight_map"]
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise HeadMismatchError("weights", f"{path}: weights: the shard index cannot be read ({e}). "
-                                "Fix: re-export.") from None
+        raise HeadMismatchError(
+            "weights", f"{path}: weights: the shard index cannot be read ({e}). Fix: re-export."
+        ) from None
     files = sorted(set(weight_map.values()))
     if files != listed:
-        raise HeadMismatchError("weights", f"{path}: weights: the shard index names {', '.join(files)}, "
-                                f"draftsmith.json lists {', '.join(listed)}. Fix: re-export the draft model.")
+        raise HeadMismatchError(
+            "weights",
+            f"{path}: weights: the shard index names {', '.join(files)}, "
+            f"draftsmith.json lists {', '.join(listed)}. Fix: re-export the draft model.",
+        )
     return weight_map
 
 
@@ -164,15 +202,23 @@ def _check_recorded_geometry(meta: HeadMetadata, config: dict, where: str) -> No
     """draftsmith.json ``head_config`` (``GEOMETRY_FIELDS`` recorded at export) equals what config.json says,
     read as at export (``config_dict``): another geometry is another draft than the one recorded."""
     built = config_dict(config)
-    differ = [f"{k}: draftsmith.json {v!r}, config.json {built.get(k)!r}" for k, v in meta.head_config.items()
-              if k in GEOMETRY_FIELDS and k != "architectures" and built.get(k) != v]
+    differ = [
+        f"{k}: draftsmith.json {v!r}, config.json {built.get(k)!r}"
+        for k, v in meta.head_config.items()
+        if k in GEOMETRY_FIELDS and k != "architectures" and built.get(k) != v
+    ]
     if built.get("architectures") and list(built["architectures"]) != list(meta.head_config.get("architectures") or []):
-        differ.append(f"architectures: draftsmith.json {meta.head_config.get('architectures')!r}, config.json "
-                      f"{built['architectures']!r}")
+        differ.append(
+            f"architectures: draftsmith.json {meta.head_config.get('architectures')!r}, config.json "
+            f"{built['architectures']!r}"
+        )
     if differ:
-        raise HeadMismatchError("head_config", f"{where}: head_config: config.json describes another draft than "
-                                f"draftsmith.json records ({'; '.join(differ)}). Fix: re-export; never edit an "
-                                "exported config by hand.")
+        raise HeadMismatchError(
+            "head_config",
+            f"{where}: head_config: config.json describes another draft than "
+            f"draftsmith.json records ({'; '.join(differ)}). Fix: re-export; never edit an "
+            "exported config by hand.",
+        )
 
 
 def check_draft_weights(model_dir: Path, meta: HeadMetadata, where: str) -> None:
@@ -183,40 +229,64 @@ def check_draft_weights(model_dir: Path, meta: HeadMetadata, where: str) -> None
     each of its shape. The files' hashes are checked before (``check_draft_model``).
 
     Raises HeadMismatchError (field ``weights``, or ``config``) naming the file and the tensors."""
-    check_listed_weight_files(model_dir, meta, lambda rel: "/" not in rel and rel.endswith(".safetensors"), where,
-                              "draft model (save_pretrained)")
+    check_listed_weight_files(
+        model_dir,
+        meta,
+        lambda rel: "/" not in rel and rel.endswith(".safetensors"),
+        where,
+        "draft model (save_pretrained)",
+    )
     weight_map = _weight_map(model_dir, meta, where)
     found: dict[str, tuple[str, tuple[int, ...]]] = {}
     for rel in sorted(meta.weights):
         for name, shape in _weight_file_tensors(model_dir, rel).items():
             if name in found:
-                raise HeadMismatchError("weights", f"{model_dir / rel}: weights: {name} is also in {found[name][0]}. "
-                                        "Fix: re-export the draft model.")
+                raise HeadMismatchError(
+                    "weights",
+                    f"{model_dir / rel}: weights: {name} is also in {found[name][0]}. Fix: re-export the draft model.",
+                )
             found[name] = (rel, shape)
     if weight_map is not None:
         for name in sorted(set(weight_map) | set(found)):
             mapped, held = weight_map.get(name), found.get(name, (None,))[0]
             if mapped != held:
-                raise HeadMismatchError("weights", f"{model_dir / INDEX_FILE}: weights: the shard index maps {name} "
-                                        f"to {mapped or 'no file'}, it is in {held or 'no file'}: the loader would "
-                                        "miss it. Fix: re-export the draft model.")
+                raise HeadMismatchError(
+                    "weights",
+                    f"{model_dir / INDEX_FILE}: weights: the shard index maps {name} "
+                    f"to {mapped or 'no file'}, it is in {held or 'no file'}: the loader would "
+                    "miss it. Fix: re-export the draft model.",
+                )
     expected, tied = expected_lm_tensors(model_dir, where)
     missing = sorted(set(expected) - set(found) - tied)
     unexpected = sorted(set(found) - set(expected))
-    misshapen = [f"{n} {found[n][1]} (config.json builds {expected[n]})" for n in sorted(set(found) & set(expected))
-                 if found[n][1] != expected[n]]
-    for problem, names in (("missing tensor(s)", missing), ("unexpected tensor(s)", unexpected),
-                           ("misshapen tensor(s)", misshapen)):
+    misshapen = [
+        f"{n} {found[n][1]} (config.json builds {expected[n]})"
+        for n in sorted(set(found) & set(expected))
+        if found[n][1] != expected[n]
+    ]
+    for problem, names in (
+        ("missing tensor(s)", missing),
+        ("unexpected tensor(s)", unexpected),
+        ("misshapen tensor(s)", misshapen),
+    ):
         if names:
             files = sorted({found[n.split()[0]][0] for n in names if n.split()[0] in found}) or sorted(meta.weights)
-            raise HeadMismatchError("weights", f"{where}: weights: {', '.join(files)}: {problem} "
-                                    f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''} for the model "
-                                    "config.json describes. Fix: re-export the draft model; config and weights "
-                                    "disagree.")
+            raise HeadMismatchError(
+                "weights",
+                f"{where}: weights: {', '.join(files)}: {problem} "
+                f"{', '.join(names[:6])}{' ...' if len(names) > 6 else ''} for the model "
+                "config.json describes. Fix: re-export the draft model; config and weights "
+                "disagree.",
+            )
 
 
-def check_draft_model(model_dir: str | Path, target_config: Any = None, tokenizer: Any = None,
-                      name_or_path: str | None = None, allow_mismatch=()) -> CheckReport:
+def check_draft_model(
+    model_dir: str | Path,
+    target_config: Any = None,
+    tokenizer: Any = None,
+    name_or_path: str | None = None,
+    allow_mismatch=(),
+) -> CheckReport:
     """Check an exported draft-model directory, and its fit to a target when one is given.
 
     Refuses (``HeadMismatchError`` naming the field, both values and the fix): a head_type other than
@@ -234,44 +304,69 @@ def check_draft_model(model_dir: str | Path, target_config: Any = None, tokenize
     allow_mismatch = check_allow_mismatch(allow_mismatch)
     meta = read_metadata(model_dir)
     if meta.head_type != HEAD_TYPE:
-        raise HeadMismatchError("head_type", f"{where}: head_type is {meta.head_type!r}, not {HEAD_TYPE!r}. Fix: "
-                                f"serve it with method {meta.head_type!r}.")
+        raise HeadMismatchError(
+            "head_type",
+            f"{where}: head_type is {meta.head_type!r}, not {HEAD_TYPE!r}. Fix: "
+            f"serve it with method {meta.head_type!r}.",
+        )
     if not meta.weights:
         raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no weight file. Fix: re-export.")
     for rel, want in sorted(meta.weights.items()):
         path = model_dir / rel
         if not path.is_file():
-            raise HeadMismatchError("weights", f"{where}: weights: file {rel} is missing. Fix: re-export or "
-                                    "re-download the directory.")
+            raise HeadMismatchError(
+                "weights", f"{where}: weights: file {rel} is missing. Fix: re-export or re-download the directory."
+            )
         got = file_sha256(path)
         if got != want:
-            raise HeadMismatchError("weights", f"{where}: weights: sha256 of {rel} is {got}, draftsmith.json records "
-                                    f"{want}: the file is corrupted or was modified after export. Fix: re-export "
-                                    "or re-download the directory.")
+            raise HeadMismatchError(
+                "weights",
+                f"{where}: weights: sha256 of {rel} is {got}, draftsmith.json records "
+                f"{want}: the file is corrupted or was modified after export. Fix: re-export "
+                "or re-download the directory.",
+            )
     try:
         config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
-        raise HeadMismatchError("config", f"{where}: config: config.json cannot be read ({e}); vLLM and "
-                                "transformers load the draft through it. Fix: re-export.") from e
+        raise HeadMismatchError(
+            "config",
+            f"{where}: config: config.json cannot be read ({e}); vLLM and "
+            "transformers load the draft through it. Fix: re-export.",
+        ) from e
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
     if text.get("vocab_size") != meta.draft_vocab_size:
-        raise HeadMismatchError("draft_vocab_size", f"{where}: draft_vocab_size: config.json has vocab_size "
-                                f"{text.get('vocab_size')}, draftsmith.json records {meta.draft_vocab_size}. Fix: "
-                                "re-export; never edit an exported config by hand.")
+        raise HeadMismatchError(
+            "draft_vocab_size",
+            f"{where}: draft_vocab_size: config.json has vocab_size "
+            f"{text.get('vocab_size')}, draftsmith.json records {meta.draft_vocab_size}. Fix: "
+            "re-export; never edit an exported config by hand.",
+        )
     _check_recorded_geometry(meta, config, where)
     check_draft_weights(model_dir, meta, where)
-    actual, overridden, warnings = check_recorded_target(meta, target_config, tokenizer, name_or_path,
-                                                         allow_mismatch, where, what="draft")
+    actual, overridden, warnings = check_recorded_target(
+        meta, target_config, tokenizer, name_or_path, allow_mismatch, where, what="draft"
+    )
     if actual is not None and actual.get("vocab_size") != meta.draft_vocab_size:
-        raise HeadMismatchError("vocab_size", f"{where}: vocab_size: the draft predicts over "
-                                f"{meta.draft_vocab_size} tokens, the target has {actual.get('vocab_size')}; a "
-                                "draft model needs the target's vocabulary. Fix: distil a draft for this target.")
-    return CheckReport(model_dir, meta, list(overridden), warnings, checked_target=actual is not None,
-                       override_values=overridden, allow_mismatch=allow_mismatch)
+        raise HeadMismatchError(
+            "vocab_size",
+            f"{where}: vocab_size: the draft predicts over "
+            f"{meta.draft_vocab_size} tokens, the target has {actual.get('vocab_size')}; a "
+            "draft model needs the target's vocabulary. Fix: distil a draft for this target.",
+        )
+    return CheckReport(
+        model_dir,
+        meta,
+        list(overridden),
+        warnings,
+        checked_target=actual is not None,
+        override_values=overridden,
+        allow_mismatch=allow_mismatch,
+    )
 
 
-def load_draft_model(model_dir: str | Path, target_model: Any = None, tokenizer: Any = None, allow_mismatch=(),
-                     dtype: str = "float32"):
+def load_draft_model(
+    model_dir: str | Path, target_model: Any = None, tokenizer: Any = None, allow_mismatch=(), dtype: str = "float32"
+):
     """Check (as :func:`check_draft_model`) then load: returns ``(model, tokenizer, HeadMetadata)``, the
     model in eval mode with frozen parameters. The files are read again after hashing (no lock against
     a concurrent writer)."""
@@ -297,20 +392,33 @@ def draft_model_card_lines(head_dir: Path, meta, k: int | None) -> list[str]:
     name = target.get("name_or_path")
     spec = f'{{"method": "draft_model", "model": "{head_dir}", "num_speculative_tokens": {int(k or 5)}}}'
     return [
-        "---", "library_name: transformers", "tags: [speculative-decoding, draft-model, draftsmith]",
-        f"base_model: {name}", "---", "",
-        f"# Draft model for `{name}`", "",
+        "---",
+        "library_name: transformers",
+        "tags: [speculative-decoding, draft-model, draftsmith]",
+        f"base_model: {name}",
+        "---",
+        "",
+        f"# Draft model for `{name}`",
+        "",
         "A small causal LM over the target's tokenizer and vocabulary, distilled by draftsmith on the target's own "
         "answers with forward KL against the target's full next-token distribution (`train/draft_model.py`). "
         "The directory is an ordinary transformers model; `draftsmith.json` records the target's identity, the "
-        "training data and the sha256 of every weight file, and draftsmith's runtime refuses another target.", "",
-        "## Serve", "", "```bash", "# draftsmith (checks this draft against the target before serving)",
+        "training data and the sha256 of every weight file, and draftsmith's runtime refuses another target.",
+        "",
+        "## Serve",
+        "",
+        "```bash",
+        "# draftsmith (checks this draft against the target before serving)",
         f"draftsmith serve --target {name} --speculative-config '{spec}'",
         "# vLLM loads the directory as a normal causal LM",
-        f"vllm serve {name} --speculative-config '{spec}'", "```", "",
-        "## Draft", "",
+        f"vllm serve {name} --speculative-config '{spec}'",
+        "```",
+        "",
+        "## Draft",
+        "",
         f"- target: `{name}` ({', '.join(target.get('architectures') or [])}, {target.get('num_hidden_layers')} "
         f"layers, hidden {target.get('hidden_size')}, vocab {target.get('vocab_size')})",
         f"- draft: {', '.join(head.get('architectures') or [])}, {head.get('num_hidden_layers')} layers, hidden "
-        f"{head.get('hidden_size')}, {head.get('num_parameters')} parameters, vocab {head.get('vocab_size')}", "",
+        f"{head.get('hidden_size')}, {head.get('num_parameters')} parameters, vocab {head.get('vocab_size')}",
+        "",
     ]

@@ -11,6 +11,7 @@ Greedy drafts (temperature 0) are argmax and return q = None (one-hot: the draft
 with temperature > 0 drafts are sampled from q = logits_to_probs(draft logits) and q is returned,
 as rejection sampling requires. Use the target's temperature / top-k / top-p for the best acceptance.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,18 +35,24 @@ def check_same_tokenizer(target_tokenizer, draft_tokenizer) -> None:
     """
     target_vocab, draft_vocab = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
     if target_vocab != draft_vocab:
-        differing = sorted(t for t in target_vocab.keys() | draft_vocab.keys()
-                           if target_vocab.get(t) != draft_vocab.get(t))
-        examples = ", ".join(f"{t!r}: target {target_vocab.get(t)} vs draft {draft_vocab.get(t)}"
-                             for t in differing[:5])
-        raise ValueError(f"the draft tokenizer differs from the target's ({len(target_vocab)} vs {len(draft_vocab)} "
-                         f"tokens, {len(differing)} differ, e.g. {examples}); a draft model must use the target's "
-                         f"tokenizer: pick a draft from the same model family or train one on the target's tokenizer")
+        differing = sorted(
+            t for t in target_vocab.keys() | draft_vocab.keys() if target_vocab.get(t) != draft_vocab.get(t)
+        )
+        examples = ", ".join(
+            f"{t!r}: target {target_vocab.get(t)} vs draft {draft_vocab.get(t)}" for t in differing[:5]
+        )
+        raise ValueError(
+            f"the draft tokenizer differs from the target's ({len(target_vocab)} vs {len(draft_vocab)} "
+            f"tokens, {len(differing)} differ, e.g. {examples}); a draft model must use the target's "
+            f"tokenizer: pick a draft from the same model family or train one on the target's tokenizer"
+        )
     for name in _SPECIAL_TOKEN_IDS:
         t, d = getattr(target_tokenizer, name, None), getattr(draft_tokenizer, name, None)
         if t != d:
-            raise ValueError(f"the draft tokenizer's {name} is {d} but the target's is {t}; a draft model must use "
-                             f"the target's tokenizer and special tokens")
+            raise ValueError(
+                f"the draft tokenizer's {name} is {d} but the target's is {t}; a draft model must use "
+                f"the target's tokenizer and special tokens"
+            )
 
 
 class DraftModelProposer(Proposer):
@@ -64,14 +71,26 @@ class DraftModelProposer(Proposer):
             differ.
     """
 
-    def __init__(self, draft_model, target_vocab_size: int, *, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = 0, target_tokenizer=None, draft_tokenizer=None):
+    def __init__(
+        self,
+        draft_model,
+        target_vocab_size: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = 0,
+        target_tokenizer=None,
+        draft_tokenizer=None,
+    ):
         # The draft LM is run through the same one-sequence wrapper (positions + KVCache) as the target.
         self.lm = TargetModel(draft_model)
         if self.lm.vocab_size != target_vocab_size:
-            raise ValueError(f"draft model vocab size {self.lm.vocab_size} != target vocab size {target_vocab_size}: "
-                             f"draft-model speculation needs the draft to predict over the target's vocabulary; use a "
-                             f"draft with the target's tokenizer and embedding size (or an EAGLE-3 head with a d2t map)")
+            raise ValueError(
+                f"draft model vocab size {self.lm.vocab_size} != target vocab size {target_vocab_size}: "
+                f"draft-model speculation needs the draft to predict over the target's vocabulary; use a "
+                f"draft with the target's tokenizer and embedding size (or an EAGLE-3 head with a d2t map)"
+            )
         if target_tokenizer is not None and draft_tokenizer is not None:
             check_same_tokenizer(target_tokenizer, draft_tokenizer)
         if temperature < 0:
@@ -108,13 +127,13 @@ class DraftModelProposer(Proposer):
             k = min(k, self.lm.position_limit[1] + 1 - len(self._context))
         if k <= 0:
             return Proposal.empty()
-        logits = self._next_logits(self._context[len(self._cached):])
+        logits = self._next_logits(self._context[len(self._cached) :])
         tokens, qs = [], []
         for i in range(k):
             if self.temperature == 0:
                 token = int(logits.argmax())
             else:
-                q = logits_to_probs(logits, self.temperature, self.top_k, self.top_p)   # [V]
+                q = logits_to_probs(logits, self.temperature, self.top_k, self.top_p)  # [V]
                 token = int(sample(q, self.generator))
                 qs.append(q)
             tokens.append(token)
@@ -149,11 +168,21 @@ def check_draft_positions(draft_model, name: str, max_model_len: int, warn: bool
         return
     key, n = limit
     if has_learned_positions(draft_model):
-        raise ValueError(f"the draft model {name!r} has learned positions for {key}={n} tokens, fewer than "
-                         f"max_model_len={max_model_len}: a request longer than {n} tokens would index past its "
-                         f"position table. Serve with --max-model-len {n} (max_model_len={n}), or use a draft with "
-                         f"{key} >= {max_model_len}")
+        raise ValueError(
+            f"the draft model {name!r} has learned positions for {key}={n} tokens, fewer than "
+            f"max_model_len={max_model_len}: a request longer than {n} tokens would index past its "
+            f"position table. Serve with --max-model-len {n} (max_model_len={n}), or use a draft with "
+            f"{key} >= {max_model_len}"
+        )
     if warn:
-            logger.warning("the draft model %r declares %s=%d, fewer than max_model_len=%d: past %d tokens it drafts "
-                       "at positions it was not trained on (output unchanged, acceptance may drop); --max-model-len "
-                       "%d stays within it", name, key, n, max_model_len, n, n)
+        logger.warning(
+            "the draft model %r declares %s=%d, fewer than max_model_len=%d: past %d tokens it drafts "
+            "at positions it was not trained on (output unchanged, acceptance may drop); --max-model-len "
+            "%d stays within it",
+            name,
+            key,
+            n,
+            max_model_len,
+            n,
+            n,
+        )

@@ -28,6 +28,7 @@ target's own regenerated answers, i.e. close to on-policy for the target), with 
 every position, and no sampling from the draft inside the training step. Accuracy = share of
 supervised rows where argmax q = argmax p (what greedy verification accepts).
 """
+
 from __future__ import annotations
 
 import copy
@@ -47,6 +48,7 @@ from draftsmith.train.trainer import DrafterSpec
 
 logger = logging.getLogger(__name__)
 
+
 def _vocab_rows(model) -> int:
     return int(model.get_output_embeddings().weight.shape[0])
 
@@ -58,10 +60,12 @@ def check_vocab(draft, target, where: str) -> None:
     got, want = _vocab_rows(draft), _vocab_rows(target)
     cfg_v = int(draft.config.get_text_config().vocab_size)
     if got != want or cfg_v != want:
-        raise ValueError(f"{where}: the draft's vocabulary has {got} tokens (config vocab_size {cfg_v}), the "
-                         f"target's {want}: a draft model must predict over the target's vocabulary. Fix: start from "
-                         f"a model with the target's tokenizer (draft_model.init_from) or build one from the target's "
-                         f"config (draft_model.init_from=null)")
+        raise ValueError(
+            f"{where}: the draft's vocabulary has {got} tokens (config vocab_size {cfg_v}), the "
+            f"target's {want}: a draft model must predict over the target's vocabulary. Fix: start from "
+            f"a model with the target's tokenizer (draft_model.init_from) or build one from the target's "
+            f"config (draft_model.init_from=null)"
+        )
 
 
 def _built_config(target, cfg: Section):
@@ -76,14 +80,16 @@ def _built_config(target, cfg: Section):
         if value is not None:
             d[key] = value
     if d["num_hidden_layers"] != depth:
-        d.pop("layer_types", None)     # per-layer attention kinds (Qwen3, Gemma): re-derived for the new depth
+        d.pop("layer_types", None)  # per-layer attention kinds (Qwen3, Gemma): re-derived for the new depth
     h, heads, kv = d["hidden_size"], d["num_attention_heads"], d.get("num_key_value_heads") or d["num_attention_heads"]
     if h % heads or heads % kv:
-        raise ValueError(f"draft_model: hidden_size {h} must be a multiple of num_attention_heads {heads}, and that of "
-                         f"num_key_value_heads {kv}; change draft_model.hidden_size / num_attention_heads / "
-                         "num_key_value_heads")
+        raise ValueError(
+            f"draft_model: hidden_size {h} must be a multiple of num_attention_heads {heads}, and that of "
+            f"num_key_value_heads {kv}; change draft_model.hidden_size / num_attention_heads / "
+            "num_key_value_heads"
+        )
     if "head_dim" in d and (cfg.hidden_size is not None or cfg.num_attention_heads is not None):
-        d["head_dim"] = h // heads                     # a new width: heads of hidden / heads dimensions
+        d["head_dim"] = h // heads  # a new width: heads of hidden / heads dimensions
     d.pop("_name_or_path", None)
     return type(base).from_dict(d)
 
@@ -101,14 +107,12 @@ def build_draft_model(target, cfg: Section, tokenizer=None, fresh: bool = False)
             differs, or the geometry does not divide.
     """
 
-
     if cfg.init_from is not None:
         where = f"draft_model.init_from={cfg.init_from!r}"
         if fresh:
             config = AutoConfig.from_pretrained(reference.resolve(cfg.init_from))
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
         else:
-
             model, draft_tokenizer = load_causal_lm(cfg.init_from, dtype="float32")
             check_vocab(model, target, where)
             if tokenizer is not None:
@@ -116,7 +120,11 @@ def build_draft_model(target, cfg: Section, tokenizer=None, fresh: bool = False)
     else:
         where = "draft_model (built from the target's config)"
         model = AutoModelForCausalLM.from_config(_built_config(target, cfg), dtype=torch.float32)
-        if not fresh and cfg.init_from_target and model.config.hidden_size == target.config.get_text_config().hidden_size:
+        if (
+            not fresh
+            and cfg.init_from_target
+            and model.config.hidden_size == target.config.get_text_config().hidden_size
+        ):
             _warm_start(model, target)
     check_vocab(model, target, where)
     model.to(torch.float32).requires_grad_(True).train()
@@ -143,8 +151,14 @@ class DistillOutput:
     count: int
 
 
-def distill_loss(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, loss_mask: torch.Tensor,
-                 target_logits: torch.Tensor, prompt_loss_weight: float = 0.0) -> DistillOutput:
+def distill_loss(
+    draft,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    target_logits: torch.Tensor,
+    prompt_loss_weight: float = 0.0,
+) -> DistillOutput:
     """Weighted mean forward KL(p ‖ q) of one batch (alignment and weights: module docstring).
 
     input_ids [B, T], attention_mask [B, T] (1 = real token; right padding), loss_mask [B, T] bool
@@ -153,19 +167,21 @@ def distill_loss(draft, input_ids: torch.Tensor, attention_mask: torch.Tensor, l
     compared in float32 on the scored rows only.
 
     Raises ValueError when the draft's vocabulary is not V or ``prompt_loss_weight`` is outside [0, 1]."""
-    predicts_supervised, weight = row_weights(loss_mask, attention_mask, prompt_loss_weight)   # [B, T] each
-    scored = weight > 0                                                                # [B, T]
+    predicts_supervised, weight = row_weights(loss_mask, attention_mask, prompt_loss_weight)  # [B, T] each
+    scored = weight > 0  # [B, T]
     logits = draft(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits  # [B, T, V]
     if logits.shape[-1] != target_logits.shape[-1]:
-        raise ValueError(f"the draft predicts over {logits.shape[-1]} tokens, the target over "
-                         f"{target_logits.shape[-1]}; a draft model needs the target's vocabulary")
-    log_q = F.log_softmax(logits[scored].float(), dim=-1)                              # [m, V]
-    log_p = F.log_softmax(target_logits[scored].float(), dim=-1)                       # [m, V]
-    kl = (log_p.exp() * (log_p - log_q)).sum(-1)                                       # [m]
-    w = weight[scored]                                                                 # [m]
+        raise ValueError(
+            f"the draft predicts over {logits.shape[-1]} tokens, the target over "
+            f"{target_logits.shape[-1]}; a draft model needs the target's vocabulary"
+        )
+    log_q = F.log_softmax(logits[scored].float(), dim=-1)  # [m, V]
+    log_p = F.log_softmax(target_logits[scored].float(), dim=-1)  # [m, V]
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # [m]
+    w = weight[scored]  # [m]
     loss = (kl * w).sum() / w.sum().clamp_min(1e-6)
     with torch.no_grad():
-        sup = predicts_supervised[scored]                                              # [m] accuracy rows
+        sup = predicts_supervised[scored]  # [m] accuracy rows
         hits = int(((log_q.argmax(-1) == log_p.argmax(-1)) & sup).sum())
         n = int(sup.sum())
     return DistillOutput(loss, hits / max(n, 1), n)

@@ -37,6 +37,7 @@ chat template, or a target running in another dtype than the head's recorded cap
 of the hidden states it was trained on), only warns. Nothing in steps 1-5 can be overridden: such a
 head is broken, not foreign.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -82,26 +83,33 @@ from draftsmith.export.metadata import (
 from draftsmith.identity import tensor_sha256
 
 
-def validate_aux_layer_ids(aux_layer_ids, convention: str, num_hidden_layers: int | None,
-                           where: str = "head") -> None:
+def validate_aux_layer_ids(aux_layer_ids, convention: str, num_hidden_layers: int | None, where: str = "head") -> None:
     """Known convention; ids strictly ascending (the layer order vLLM and SGLang concatenate the states
     in, ``core.aux_layers.aux_layer_order_problem``: a head trained on another order is mis-served by both);
     with ``num_hidden_layers``, ids in the target's range [0, N-1] of HF hidden_states indices."""
 
     if convention not in KNOWN_AUX_CONVENTIONS:
-        raise HeadMismatchError("aux_layer_convention", f"{where}: aux_layer_convention {convention!r} is not "
-                                f"one of {KNOWN_AUX_CONVENTIONS}. Fix: upgrade draftsmith or re-export the head.")
+        raise HeadMismatchError(
+            "aux_layer_convention",
+            f"{where}: aux_layer_convention {convention!r} is not "
+            f"one of {KNOWN_AUX_CONVENTIONS}. Fix: upgrade draftsmith or re-export the head.",
+        )
     problem = aux_layer_order_problem(aux_layer_ids)
     if problem is not None:
-        raise HeadMismatchError("aux_layer_ids", f"{where}: {problem} (this head cannot be served as trained; "
-                                f"a head trained on ascending ids is).")
+        raise HeadMismatchError(
+            "aux_layer_ids",
+            f"{where}: {problem} (this head cannot be served as trained; a head trained on ascending ids is).",
+        )
     if num_hidden_layers is None:
         return
     bad = [i for i in aux_layer_ids if not 0 <= int(i) < num_hidden_layers]
     if bad:
-        raise HeadMismatchError("aux_layer_ids", f"{where}: aux_layer_ids {list(aux_layer_ids)} ({convention}) "
-                                f"include {bad}, outside the target's layers [0, {num_hidden_layers - 1}]. Fix: use "
-                                f"the target this head was trained for, or retrain with ids in range.")
+        raise HeadMismatchError(
+            "aux_layer_ids",
+            f"{where}: aux_layer_ids {list(aux_layer_ids)} ({convention}) "
+            f"include {bad}, outside the target's layers [0, {num_hidden_layers - 1}]. Fix: use "
+            f"the target this head was trained for, or retrain with ids in range.",
+        )
 
 
 def validate_head_config(head_config: dict, where: str = "head") -> None:
@@ -111,23 +119,31 @@ def validate_head_config(head_config: dict, where: str = "head") -> None:
     known = {f.name for f in dataclasses.fields(Eagle3Config)}
     norms = sorted(k for k in set(head_config) - known if "norm" in k.lower() and k not in NOT_NORM_FLAGS)
     if norms:
-        raise HeadMismatchError("norm_flags", f"{where}: norm_flags: head_config has unknown norm flag(s) "
-                                f"{', '.join(f'{k}={head_config[k]!r}' for k in norms)}; this runtime knows "
-                                f"{', '.join(SUPPORTED_NORM_FLAGS)}. Fix: upgrade draftsmith, or re-export the head.")
+        raise HeadMismatchError(
+            "norm_flags",
+            f"{where}: norm_flags: head_config has unknown norm flag(s) "
+            f"{', '.join(f'{k}={head_config[k]!r}' for k in norms)}; this runtime knows "
+            f"{', '.join(SUPPORTED_NORM_FLAGS)}. Fix: upgrade draftsmith, or re-export the head.",
+        )
     unknown = sorted(set(head_config) - known)
     if unknown:
-        raise HeadMismatchError("head_config", f"{where}: head_config: unknown field(s) {', '.join(unknown)}. "
-                                f"Fix: upgrade draftsmith (the head was written by a newer one), or re-export it.")
+        raise HeadMismatchError(
+            "head_config",
+            f"{where}: head_config: unknown field(s) {', '.join(unknown)}. "
+            f"Fix: upgrade draftsmith (the head was written by a newer one), or re-export it.",
+        )
     for key, supported in SUPPORTED_NORM_FLAGS.items():
         if key in head_config and bool(head_config[key]) != supported:
-            raise HeadMismatchError(key, f"{where}: {key}: head_config has {head_config[key]!r}, this runtime "
-                                    f"implements only {supported!r} (the original EAGLE-3 layout, the one every "
-                                    f"engine serves). Fix: serve this head with an engine that implements it, or "
-                                    f"retrain with {key}={supported}.")
+            raise HeadMismatchError(
+                key,
+                f"{where}: {key}: head_config has {head_config[key]!r}, this runtime "
+                f"implements only {supported!r} (the original EAGLE-3 layout, the one every "
+                f"engine serves). Fix: serve this head with an engine that implements it, or "
+                f"retrain with {key}={supported}.",
+            )
 
 
-def check_engine_configs(head_dir: Path, meta: HeadMetadata, target_num_layers: int | None,
-                         where: str) -> None:
+def check_engine_configs(head_dir: Path, meta: HeadMetadata, target_num_layers: int | None, where: str) -> None:
     """Step 4: every engine config in ``head_dir`` read as its engines read it equals the recorded head.
 
     The research ``config.json`` must exist (vLLM and SGLang load the directory through it); other
@@ -137,24 +153,33 @@ def check_engine_configs(head_dir: Path, meta: HeadMetadata, target_num_layers: 
         path = head_dir / rel
         if not path.is_file():
             if rel == "config.json":
-                raise HeadMismatchError("config", f"{where}: config: no config.json, which vLLM and SGLang read. "
-                                        f"Fix: re-export the head with `draftsmith export`.")
+                raise HeadMismatchError(
+                    "config",
+                    f"{where}: config: no config.json, which vLLM and SGLang read. "
+                    f"Fix: re-export the head with `draftsmith export`.",
+                )
             continue
         try:
             cfg = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError) as e:
-            raise HeadMismatchError("config", f"{where}: config: {rel} cannot be read ({e}). Fix: re-export the "
-                                    f"head.") from e
+            raise HeadMismatchError(
+                "config", f"{where}: config: {rel} cannot be read ({e}). Fix: re-export the head."
+            ) from e
         problems = []
         for engine in engines:
-            problems += [(f, f"{rel} as {ENGINE_NAMES[engine]}: {m}")
-                         for f, m in engine_problems(engine, cfg, meta.head_config, meta.head_type, target_num_layers)]
+            problems += [
+                (f, f"{rel} as {ENGINE_NAMES[engine]}: {m}")
+                for f, m in engine_problems(engine, cfg, meta.head_config, meta.head_type, target_num_layers)
+            ]
         if problems:
-            raise HeadMismatchError(problems[0][0], f"{where}: {rel} disagrees with draftsmith.json (the head that "
-                                    f"was trained; engines read the config):\n  - " +
-                                    "\n  - ".join(m for _, m in problems) +
-                                    "\nFix: re-export the head with `draftsmith export`; never edit an exported "
-                                    "config by hand.")
+            raise HeadMismatchError(
+                problems[0][0],
+                f"{where}: {rel} disagrees with draftsmith.json (the head that "
+                f"was trained; engines read the config):\n  - "
+                + "\n  - ".join(m for _, m in problems)
+                + "\nFix: re-export the head with `draftsmith export`; never edit an exported "
+                "config by hand.",
+            )
 
 
 def eagle3_file_state_dict(data: bytes, rel: str, meta: HeadMetadata, at: str) -> dict[str, torch.Tensor]:
@@ -165,22 +190,27 @@ def eagle3_file_state_dict(data: bytes, rel: str, meta: HeadMetadata, at: str) -
     speculators file); a missing, unexpected or misshapen tensor (``validate_state_dict``); a d2t that is
     no offset map (index style: target ids) or t2d disagreeing with it; a d2t other than the recorded one."""
 
-
     try:
         raw = load_safetensors(data)
     except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
         raise HeadMismatchError("weights", f"{at}: weights: the file cannot be read ({e}). Fix: re-export.") from e
     sd, misnamed = export_names(raw, rel)
     if misnamed:
-        raise HeadMismatchError("weights", f"{at}: weights: tensor(s) {', '.join(misnamed[:4])}"
-                                f"{' ...' if len(misnamed) > 4 else ''} are named for another layout; this file's "
-                                f"layout names the decoder layer {WEIGHT_LAYOUTS[rel]}*. Fix: re-export with "
-                                f"`draftsmith export`; never convert an exported file by hand.")
+        raise HeadMismatchError(
+            "weights",
+            f"{at}: weights: tensor(s) {', '.join(misnamed[:4])}"
+            f"{' ...' if len(misnamed) > 4 else ''} are named for another layout; this file's "
+            f"layout names the decoder layer {WEIGHT_LAYOUTS[rel]}*. Fix: re-export with "
+            f"`draftsmith export`; never convert an exported file by hand.",
+        )
     validate_state_dict(sd, meta.head_config, at)
     got_d2t = tensor_sha256(sd["d2t"]) if "d2t" in sd else None
     if got_d2t != meta.d2t_sha256:
-        raise HeadMismatchError("d2t_sha256", f"{at}: d2t_sha256: the d2t tensor hashes to {got_d2t}, "
-                                f"draftsmith.json records {meta.d2t_sha256}. Fix: re-export the head.")
+        raise HeadMismatchError(
+            "d2t_sha256",
+            f"{at}: d2t_sha256: the d2t tensor hashes to {got_d2t}, "
+            f"draftsmith.json records {meta.d2t_sha256}. Fix: re-export the head.",
+        )
     return sd
 
 
@@ -189,17 +219,26 @@ def _check_same_head(digests: dict[str, dict[str, str]], ref: str, root: Path) -
     for rel, digest in sorted(digests.items()):
         differ = sorted(k for k in digest if digest[k] != digests[ref].get(k))
         if differ:
-            raise HeadMismatchError("weights", f"{root / rel}: weights: {', '.join(differ[:4])}"
-                                    f"{' ...' if len(differ) > 4 else ''} hold other values than in {ref}; every "
-                                    f"weight file of an export holds the one head draftsmith.json describes. Fix: "
-                                    f"re-export the head with `draftsmith export --format all`.")
+            raise HeadMismatchError(
+                "weights",
+                f"{root / rel}: weights: {', '.join(differ[:4])}"
+                f"{' ...' if len(differ) > 4 else ''} hold other values than in {ref}; every "
+                f"weight file of an export holds the one head draftsmith.json describes. Fix: "
+                f"re-export the head with `draftsmith export --format all`.",
+            )
 
 
-EAGLE3_REQUIRED = ("ttt_steps", "aux_layer_ids")    # draftsmith.json fields optional for others, not for EAGLE-3
+EAGLE3_REQUIRED = ("ttt_steps", "aux_layer_ids")  # draftsmith.json fields optional for others, not for EAGLE-3
 
 
-def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_path: str | None,
-           allow_mismatch, tensor_parallel_size: int | None = None) -> tuple[CheckReport, dict[str, torch.Tensor]]:
+def _check(
+    head_dir: str | Path,
+    target_config: Any,
+    tokenizer: Any,
+    name_or_path: str | None,
+    allow_mismatch,
+    tensor_parallel_size: int | None = None,
+) -> tuple[CheckReport, dict[str, torch.Tensor]]:
     """All checks of the module docstring; returns the report and the verified state dict (of the format
     sub-directory's own weight file when ``head_dir`` is one, under our export names)."""
 
@@ -209,26 +248,45 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
     meta = read_metadata(head_dir)
     where = str(given)
     if meta.head_type != "eagle3":
-        raise HeadMismatchError("head_type", f"{where}: head_type is {meta.head_type!r}, not 'eagle3'. Fix: check or "
-                                f"load it as a {meta.head_type} export (`draftsmith check` finds it by itself).")
+        raise HeadMismatchError(
+            "head_type",
+            f"{where}: head_type is {meta.head_type!r}, not 'eagle3'. Fix: check or "
+            f"load it as a {meta.head_type} export (`draftsmith check` finds it by itself).",
+        )
     missing = [name for name in EAGLE3_REQUIRED if getattr(meta, name) is None]
     if missing:
-        raise HeadMismatchError(missing[0], f"{head_dir / METADATA_FILE}: missing key(s) {', '.join(missing)}. Fix: "
-                                "re-export the head with draftsmith.")
+        raise HeadMismatchError(
+            missing[0],
+            f"{head_dir / METADATA_FILE}: missing key(s) {', '.join(missing)}. Fix: "
+            "re-export the head with draftsmith.",
+        )
     # 1. the recorded head is one this runtime implements (and the engines serve: aux ids in layer order)
     validate_head_config(meta.head_config, where)
-    validate_aux_layer_ids(meta.head_config.get("aux_layer_ids", meta.aux_layer_ids), meta.aux_layer_convention,
-                           None, where)
-    check_recorded_copies(meta, {"aux_layer_ids": "aux_layer_ids", "ttt_steps": "ttt_steps",
-                                 "draft_vocab_size": "draft_vocab_size"}, where)
+    validate_aux_layer_ids(
+        meta.head_config.get("aux_layer_ids", meta.aux_layer_ids), meta.aux_layer_convention, None, where
+    )
+    check_recorded_copies(
+        meta,
+        {"aux_layer_ids": "aux_layer_ids", "ttt_steps": "ttt_steps", "draft_vocab_size": "draft_vocab_size"},
+        where,
+    )
     # 2-3. every weight file: listed and of a known layout, present, sha256 as recorded, then its tensors as
     # its layout implies; all files hold the same head. Each file is read once, hashed, then parsed.
     load_rel = f"{sub}/{WEIGHTS_FILE}" if sub else WEIGHTS_FILE
     if load_rel not in meta.weights:
-        raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no {load_rel}. "
-                                f"Fix: re-export{f' with --format {sub}' if sub else ''}.")
-    check_listed_weight_files(head_dir, meta, WEIGHT_LAYOUTS, where, "EAGLE-3 export",
-                              on_disk=tuple({str(Path(rel).parent / "*.safetensors") for rel in WEIGHT_LAYOUTS}))
+        raise HeadMismatchError(
+            "weights",
+            f"{where}: weights: draftsmith.json lists no {load_rel}. "
+            f"Fix: re-export{f' with --format {sub}' if sub else ''}.",
+        )
+    check_listed_weight_files(
+        head_dir,
+        meta,
+        WEIGHT_LAYOUTS,
+        where,
+        "EAGLE-3 export",
+        on_disk=tuple({str(Path(rel).parent / "*.safetensors") for rel in WEIGHT_LAYOUTS}),
+    )
     sd, digests = None, {}
     for rel, want in sorted(meta.weights.items()):
         data = weight_file_bytes(head_dir, rel, want, where)
@@ -241,23 +299,38 @@ def _check(head_dir: str | Path, target_config: Any, tokenizer: Any, name_or_pat
     if digests:
         _check_same_head(digests, load_rel, head_dir)
     # 6. target identity first (its message names the field that differs), then 5. aux layers in range
-    actual, overridden, warnings = check_recorded_target(meta, target_config, tokenizer, name_or_path,
-                                                         allow_mismatch, where)
-    validate_aux_layer_ids(meta.aux_layer_ids, meta.aux_layer_convention,
-                           actual["num_hidden_layers"] if actual else None, where)
+    actual, overridden, warnings = check_recorded_target(
+        meta, target_config, tokenizer, name_or_path, allow_mismatch, where
+    )
+    validate_aux_layer_ids(
+        meta.aux_layer_ids, meta.aux_layer_convention, actual["num_hidden_layers"] if actual else None, where
+    )
     # 4. engine configs (after the target: an engine's default aux layers depend on the target's depth)
     check_engine_configs(head_dir, meta, (actual or meta.target).get("num_hidden_layers"), where)
     # 7. tensor-parallel layout
     if tensor_parallel_size is not None:
         _check_tensor_parallel(meta.head_config, target_config, tensor_parallel_size, where)
-    report = CheckReport(head_dir, meta, list(overridden), warnings, checked_target=actual is not None,
-                         override_values=overridden, allow_mismatch=allow_mismatch,
-                         tensor_parallel_size=tensor_parallel_size)
+    report = CheckReport(
+        head_dir,
+        meta,
+        list(overridden),
+        warnings,
+        checked_target=actual is not None,
+        override_values=overridden,
+        allow_mismatch=allow_mismatch,
+        tensor_parallel_size=tensor_parallel_size,
+    )
     return report, sd
 
 
-def check_head(head_dir: str | Path, target_config: Any, tokenizer: Any = None, name_or_path: str | None = None,
-               allow_mismatch=(), tensor_parallel_size: int | None = None) -> CheckReport:
+def check_head(
+    head_dir: str | Path,
+    target_config: Any,
+    tokenizer: Any = None,
+    name_or_path: str | None = None,
+    allow_mismatch=(),
+    tensor_parallel_size: int | None = None,
+) -> CheckReport:
     """Run every check of the module docstring against ``target_config`` (a model, config or dict;
     None checks the head's integrity only). ``tensor_parallel_size``: also check the sharded layout.
     Raises HeadMismatchError on refusal, ValueError for an unknown ``allow_mismatch`` field.
@@ -265,12 +338,10 @@ def check_head(head_dir: str | Path, target_config: Any, tokenizer: Any = None, 
     an MLP speculator (``head_type: mlp_speculator``) by ``export.mlp_speculator.check_mlp_speculator``."""
     root = resolve_head_dir(head_dir)[0]
     if (root / METADATA_FILE).is_file() and read_metadata(root).head_type == "draft_model":
-
         if tensor_parallel_size is not None:
             raise ValueError("tensor_parallel_size applies to EAGLE-3 heads; a draft model shards like any LM")
         return check_draft_model(root, target_config, tokenizer, name_or_path, allow_mismatch)
     if (root / METADATA_FILE).is_file() and read_metadata(root).head_type == "mlp_speculator":
-
         if tensor_parallel_size is not None:
             raise ValueError("tensor_parallel_size: an MLP speculator is served unsharded (vLLM runs it at tp 1)")
         return check_mlp_speculator(root, target_config, tokenizer, name_or_path, allow_mismatch)
@@ -289,12 +360,14 @@ def load_eagle3(head_dir: str | Path, target_model: Any = None, tokenizer: Any =
     report, sd = _check(head_dir, target_model, tokenizer, None, allow_mismatch)
     meta = report.metadata
     if meta.head_type != "eagle3":
-        raise HeadMismatchError("head_type", f"{head_dir}: head_type is {meta.head_type!r}, not 'eagle3'. Fix: "
-                                f"load it with the loader for its type.")
+        raise HeadMismatchError(
+            "head_type",
+            f"{head_dir}: head_type is {meta.head_type!r}, not 'eagle3'. Fix: load it with the loader for its type.",
+        )
     head = Eagle3Head(Eagle3Config.from_dict(meta.head_config)).to(sd["fc.weight"].dtype)  # the exported dtype
     head.load_export_state_dict(sd)
     if target_model is not None and hasattr(target_model, "get_input_embeddings"):
-        head.bind_embedding(target_model.get_input_embeddings())   # the target's, frozen, never exported
+        head.bind_embedding(target_model.get_input_embeddings())  # the target's, frozen, never exported
     return head.eval(), meta
 
 

@@ -8,6 +8,7 @@
 
 Served as vLLM serves it: ``{"method": "eagle3", "model": HEAD_DIR, "num_speculative_tokens": k}``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,8 +16,8 @@ from dataclasses import dataclass
 from draftsmith.core.aux_layers import aux_layer_order_problem, default_aux_layer_ids
 from draftsmith.drafters.config import DrafterSection, SpeculativeRules
 
-LEGACY_SECTION = "head"          #: this drafter's recipe section in draftsmith 0.1 (pipeline.recipe)
-LEGACY_IN_DEFAULT_EVAL = True   #: one of 0.1's default eval.methods (pipeline.recipe migration)
+LEGACY_SECTION = "head"  #: this drafter's recipe section in draftsmith 0.1 (pipeline.recipe)
+LEGACY_IN_DEFAULT_EVAL = True  #: one of 0.1's default eval.methods (pipeline.recipe migration)
 RULES = SpeculativeRules(needs_model=True, model_help="the exported EAGLE-3 head directory")
 
 
@@ -28,19 +29,21 @@ class Section(DrafterSection):
     load, before any capture or training step."""
 
     method: str = "eagle3"
-    aux_layer_ids: list[int] | None = None   #: HF hidden-state indices, ascending; None = (2, N//2, N-3)
-    ttt_steps: int = 7                       #: training-time-test unroll depth (the depth the head is trained for)
-    step_decay: float = 0.8                  #: loss weight of step i is step_decay**i
-    prompt_loss_weight: float = 0.0          #: weight of prompt positions in the distillation loss (ttt.py)
-    init_from_target: bool = True            #: start lm_head/norm from the target's (warm start)
+    aux_layer_ids: list[int] | None = None  #: HF hidden-state indices, ascending; None = (2, N//2, N-3)
+    ttt_steps: int = 7  #: training-time-test unroll depth (the depth the head is trained for)
+    step_decay: float = 0.8  #: loss weight of step i is step_decay**i
+    prompt_loss_weight: float = 0.0  #: weight of prompt positions in the distillation loss (ttt.py)
+    init_from_target: bool = True  #: start lm_head/norm from the target's (warm start)
 
     def __post_init__(self):
         super().__post_init__()
         if self.aux_layer_ids is None:
             return
         if len(self.aux_layer_ids) != 3:
-            raise ValueError(f"drafter.aux_layer_ids {list(self.aux_layer_ids)}: an EAGLE-3 head reads 3 layers. "
-                             f"Fix: give three HF hidden_states indices, ascending, or null for the default")
+            raise ValueError(
+                f"drafter.aux_layer_ids {list(self.aux_layer_ids)}: an EAGLE-3 head reads 3 layers. "
+                f"Fix: give three HF hidden_states indices, ascending, or null for the default"
+            )
         if (problem := aux_layer_order_problem(self.aux_layer_ids)) is not None:
             raise ValueError(f"drafter.{problem}")
 

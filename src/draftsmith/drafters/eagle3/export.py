@@ -18,6 +18,7 @@ into place, so a reader never sees a half-written head; formats in ``export/form
 Before the directory is installed, every config written is read back the way its engines read it
 (``formats.engine_problems``): an export that an engine would build differently is never written.
 """
+
 from __future__ import annotations
 
 import logging
@@ -55,22 +56,32 @@ def _verifier(identity: dict) -> dict:
     """What vLLM can load as the verifier: draftsmith's aliases (``reference``) become their folders."""
 
     name = identity.get("name_or_path")
-    return {"name_or_path": reference.resolve(name) if name else name,
-            "architectures": list(identity.get("architectures") or [])}
+    return {
+        "name_or_path": reference.resolve(name) if name else name,
+        "architectures": list(identity.get("architectures") or []),
+    }
 
 
 def _check_head_fits_target(hc: dict, target_cfg: dict) -> None:
     for key in ("hidden_size", "vocab_size"):
         if hc[key] != target_cfg.get(key):
-            raise ValueError(f"export: head {key} {hc[key]} != target {key} {target_cfg.get(key)}; "
-                             f"this head was not built for this target")
+            raise ValueError(
+                f"export: head {key} {hc[key]} != target {key} {target_cfg.get(key)}; "
+                f"this head was not built for this target"
+            )
     validate_aux_layer_ids(hc["aux_layer_ids"], AUX_LAYER_CONVENTION, target_cfg.get("num_hidden_layers"), "export")
     if 0 in [int(i) for i in hc["aux_layer_ids"]]:
         logger.warning("export: aux layer id 0 (the embeddings) is not servable by vLLM/SGLang")
     theta, scaling = rope_settings(target_cfg)
     if (float(hc["rope_theta"]), hc.get("rope_scaling") or None) != (theta, scaling):
-        logger.warning("export: head RoPE (theta %s, scaling %s) differs from the target's (theta %s, scaling %s); "
-                       "the head's own settings are written", hc["rope_theta"], hc.get("rope_scaling"), theta, scaling)
+        logger.warning(
+            "export: head RoPE (theta %s, scaling %s) differs from the target's (theta %s, scaling %s); "
+            "the head's own settings are written",
+            hc["rope_theta"],
+            hc.get("rope_scaling"),
+            theta,
+            scaling,
+        )
     if hc.get("norm_before_residual"):
         logger.warning("export: norm_before_residual=true; SGLang ignores this flag and will serve the head wrong")
 
@@ -81,13 +92,23 @@ def _verify_engine_configs(configs: dict[str, dict], hc: dict, target_num_layers
         for engine in CONFIG_READERS[rel]:
             problems = engine_problems(engine, cfg, hc, "eagle3", target_num_layers)
             if problems:
-                raise RuntimeError(f"export: {rel} would be read wrong by {engine}: "
-                                   + "; ".join(m for _, m in problems))
+                raise RuntimeError(
+                    f"export: {rel} would be read wrong by {engine}: " + "; ".join(m for _, m in problems)
+                )
 
 
-def export_eagle3(head: Any, out_dir: str | Path, target_identity: dict, target_config: Any,
-                  training: dict | None = None, formats=("draftsmith",), *, eval: dict | None = None,
-                  speculative_tokens: int | None = None, referee: dict | None = None) -> Path:
+def export_eagle3(
+    head: Any,
+    out_dir: str | Path,
+    target_identity: dict,
+    target_config: Any,
+    training: dict | None = None,
+    formats=("draftsmith",),
+    *,
+    eval: dict | None = None,
+    speculative_tokens: int | None = None,
+    referee: dict | None = None,
+) -> Path:
     """Write ``head`` (an Eagle3Head) to ``out_dir`` as described in the module docstring.
 
     ``formats``: names of ``export.formats.FORMATS`` or ``all`` (draftsmith is always written; vllm and
@@ -116,17 +137,25 @@ def export_eagle3(head: Any, out_dir: str | Path, target_identity: dict, target_
             (tmp / SPECULATORS_DIR).mkdir()
             save_safetensors(speculators_weights(sd), tmp / SPECULATORS_DIR / WEIGHTS_FILE)
             configs[f"{SPECULATORS_DIR}/config.json"] = speculators_config(
-                hc, target_cfg, _verifier(target_identity), speculative_tokens or ttt_steps, dtype)
+                hc, target_cfg, _verifier(target_identity), speculative_tokens or ttt_steps, dtype
+            )
             weight_files.append(f"{SPECULATORS_DIR}/{WEIGHTS_FILE}")
         _verify_engine_configs(configs, hc, target_cfg.get("num_hidden_layers"))
         for rel, cfg in configs.items():
             write_json_atomic(tmp / rel, cfg)
         meta = HeadMetadata(
-            head_type="eagle3", head_config=hc, ttt_steps=ttt_steps,
-            aux_layer_ids=[int(i) for i in hc["aux_layer_ids"]], draft_vocab_size=int(hc["draft_vocab_size"]),
+            head_type="eagle3",
+            head_config=hc,
+            ttt_steps=ttt_steps,
+            aux_layer_ids=[int(i) for i in hc["aux_layer_ids"]],
+            draft_vocab_size=int(hc["draft_vocab_size"]),
             d2t_sha256=tensor_sha256(sd["d2t"]) if "d2t" in sd else None,
-            target=dict(target_identity), training=dict(training or {}), eval=dict(eval or {}),
-            referee=dict(referee or {}), weights={rel: file_sha256(tmp / rel) for rel in weight_files})
+            target=dict(target_identity),
+            training=dict(training or {}),
+            eval=dict(eval or {}),
+            referee=dict(referee or {}),
+            weights={rel: file_sha256(tmp / rel) for rel in weight_files},
+        )
         write_metadata(tmp, meta)
     logger.info("exported EAGLE-3 head to %s (%s)", out_dir, ", ".join(formats))
     return out_dir
@@ -136,15 +165,19 @@ def target_config_from_identity(identity: dict, head_config: dict) -> dict:
     """The target config fields an export needs, rebuilt from a head's recorded identity (re-export)."""
     arch = identity.get("architecture") or {}
     rope = arch.get("rope") or {}
-    return {"hidden_size": identity.get("hidden_size"), "vocab_size": identity.get("vocab_size"),
-            "num_hidden_layers": identity.get("num_hidden_layers"),
-            "max_position_embeddings": head_config.get("max_position_embeddings"),
-            "rope_theta": rope.get("rope_theta", head_config.get("rope_theta")),
-            "rope_scaling": rope.get("rope_scaling", head_config.get("rope_scaling"))}
+    return {
+        "hidden_size": identity.get("hidden_size"),
+        "vocab_size": identity.get("vocab_size"),
+        "num_hidden_layers": identity.get("num_hidden_layers"),
+        "max_position_embeddings": head_config.get("max_position_embeddings"),
+        "rope_theta": rope.get("rope_theta", head_config.get("rope_theta")),
+        "rope_scaling": rope.get("rope_scaling", head_config.get("rope_scaling")),
+    }
 
 
-def reexport_head(head_dir: str | Path, out_dir: str | Path, formats=("all",),
-                  speculative_tokens: int | None = None) -> Path:
+def reexport_head(
+    head_dir: str | Path, out_dir: str | Path, formats=("all",), speculative_tokens: int | None = None
+) -> Path:
     """Export an already exported head again (another set of formats, another place), unchanged.
 
     The source is verified (sha256 of every weight file, tensors, vocab map) and its metadata carried
@@ -156,31 +189,47 @@ def reexport_head(head_dir: str | Path, out_dir: str | Path, formats=("all",),
         raise ValueError(f"re-export of {head_dir} onto itself; choose another --out")
     head, meta = load_eagle3(head_dir)
     k = speculative_tokens or (meta.eval or {}).get("k") or meta.ttt_steps
-    out = export_eagle3(head, out_dir, meta.target, target_config_from_identity(meta.target, meta.head_config),
-                        training=meta.training, formats=formats, eval=meta.eval, speculative_tokens=int(k))
+    out = export_eagle3(
+        head,
+        out_dir,
+        meta.target,
+        target_config_from_identity(meta.target, meta.head_config),
+        training=meta.training,
+        formats=formats,
+        eval=meta.eval,
+        speculative_tokens=int(k),
+    )
     new = read_metadata(out)
-    kept = {key: v for key, v in meta.referee.items()
-            if all(new.weights.get(f) == sha for f, sha in (v.get("weights") or {}).items())}
+    kept = {
+        key: v
+        for key, v in meta.referee.items()
+        if all(new.weights.get(f) == sha for f, sha in (v.get("weights") or {}).items())
+    }
     if kept:
         new.referee = kept
         write_metadata(out, new)
 
-    write_model_card(out, eagle3_card_lines, plot=head_dir / "acceptance.png")   # table: the carried-over eval
+    write_model_card(out, eagle3_card_lines, plot=head_dir / "acceptance.png")  # table: the carried-over eval
     return out
 
 
 def _serve_lines(head_dir: Path, target: str, k: int) -> list[str]:
     spec = f'{{"method": "eagle3", "model": "{head_dir}", "num_speculative_tokens": {k}}}'
-    lines = ["```bash", "# draftsmith (checks this head against the target before serving)",
-             f"draftsmith serve --target {target} --speculative-config '{spec}'",
-             "# vLLM and SGLang read this directory's config.json (research layout)",
-             f"vllm serve {target} --speculative-config '{spec}'",
-             f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
-             f"--speculative-draft-model-path {head_dir} --speculative-num-steps {k} "
-             f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}"]
+    lines = [
+        "```bash",
+        "# draftsmith (checks this head against the target before serving)",
+        f"draftsmith serve --target {target} --speculative-config '{spec}'",
+        "# vLLM and SGLang read this directory's config.json (research layout)",
+        f"vllm serve {target} --speculative-config '{spec}'",
+        f"python -m sglang.launch_server --model {target} --speculative-algorithm EAGLE3 "
+        f"--speculative-draft-model-path {head_dir} --speculative-num-steps {k} "
+        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {k + 1}",
+    ]
     if (head_dir / SPECULATORS_DIR / "config.json").is_file():
-        lines += ["# vLLM, speculators layout: the config names the target and k",
-                  f"vllm serve {head_dir / SPECULATORS_DIR}"]
+        lines += [
+            "# vLLM, speculators layout: the config names the target and k",
+            f"vllm serve {head_dir / SPECULATORS_DIR}",
+        ]
     return lines + ["```"]
 
 
@@ -189,18 +238,29 @@ def eagle3_card_lines(head_dir: Path, meta, k: int | None) -> list[str]:
     target, head = meta.target, meta.head_config
     name = target.get("name_or_path")
     return [
-        "---", "library_name: draftsmith", "tags: [speculative-decoding, eagle3]",
-        f"base_model: {name}", "---", "",
-        f"# EAGLE-3 draft head for `{name}`", "",
+        "---",
+        "library_name: draftsmith",
+        "tags: [speculative-decoding, eagle3]",
+        f"base_model: {name}",
+        "---",
+        "",
+        f"# EAGLE-3 draft head for `{name}`",
+        "",
         "An EAGLE-3 head (one decoder layer over the target's low/mid/high hidden states, trained with "
         "training-time test) made with draftsmith. `draftsmith.json` records the target's identity, the "
-        "training data and the sha256 of every weight file; `draftsmith check` refuses a mismatched target.", "",
-        "## Serve", "", *_serve_lines(head_dir, name, int(k or meta.ttt_steps)), "",
-        "## Head", "",
+        "training data and the sha256 of every weight file; `draftsmith check` refuses a mismatched target.",
+        "",
+        "## Serve",
+        "",
+        *_serve_lines(head_dir, name, int(k or meta.ttt_steps)),
+        "",
+        "## Head",
+        "",
         f"- target: `{name}` ({', '.join(target.get('architectures') or [])}, {target.get('num_hidden_layers')} "
         f"layers, hidden {target.get('hidden_size')}, vocab {target.get('vocab_size')})",
         f"- aux layers (HF hidden_states index): {head.get('aux_layer_ids')}; SGLang numbering "
         f"{[int(i) - 1 for i in head.get('aux_layer_ids') or []]}",
         f"- draft vocab: {head.get('draft_vocab_size')} of {head.get('vocab_size')} target tokens",
-        f"- ttt_steps: {head.get('ttt_steps')}", "",
+        f"- ttt_steps: {head.get('ttt_steps')}",
+        "",
     ]

@@ -62,6 +62,7 @@ vLLM, speculators config (``vllm serve OUT/speculators`` or ``"model": OUT/specu
     ``transformer_layer_config`` (model_type llama | qwen3), ``norm_before_residual`` defaults to TRUE
     when absent, ``norm_before_fc`` / ``fc_norm`` / ``norm_output`` false, top-level aux ids (HF index).
 """
+
 from __future__ import annotations
 
 import json
@@ -86,13 +87,24 @@ ENGINE_NAMES = {"vllm": "vLLM (method eagle3)", "sglang": "SGLang (EAGLE3)", "sp
 
 # Norm switches some engine reads, with the one value a draftsmith head supports (DESIGN §6: the
 # original EAGLE-3 layout); any other key naming a norm is unknown and refused.
-SUPPORTED_NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False,
-                        "norm_output": False}
+SUPPORTED_NORM_FLAGS = {"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False}
 NOT_NORM_FLAGS = ("rms_norm_eps", "layer_norm_eps", "norm_eps", "norm_epsilon", "layer_norm_epsilon")
-ARCHITECTURE_METHOD = {"LlamaForCausalLMEagle3": "eagle3", "Eagle3LlamaForCausalLM": "eagle3",
-                       "LlamaForCausalLMEagle": "eagle", "EagleLlamaForCausalLM": "eagle"}
-GEOMETRY_KEYS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                 "vocab_size", "rms_norm_eps", "hidden_act")
+ARCHITECTURE_METHOD = {
+    "LlamaForCausalLMEagle3": "eagle3",
+    "Eagle3LlamaForCausalLM": "eagle3",
+    "LlamaForCausalLMEagle": "eagle",
+    "EagleLlamaForCausalLM": "eagle",
+}
+GEOMETRY_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "rms_norm_eps",
+    "hidden_act",
+)
 
 
 def expand_formats(formats) -> tuple[str, ...]:
@@ -104,8 +116,9 @@ def expand_formats(formats) -> tuple[str, ...]:
         asked = set(FORMATS)
     unknown = sorted(asked - set(FORMATS))
     if unknown:
-        raise ValueError(f"formats {sorted(formats)}: unknown {unknown}; known formats are "
-                         f"{', '.join(FORMATS)} and all")
+        raise ValueError(
+            f"formats {sorted(formats)}: unknown {unknown}; known formats are {', '.join(FORMATS)} and all"
+        )
     return tuple(f for f in FORMATS if f in asked | {"draftsmith"})
 
 
@@ -115,8 +128,11 @@ def expand_formats(formats) -> tuple[str, ...]:
 def rope_keys(theta: float, scaling: dict | None) -> dict:
     """RoPE in both spellings: ``rope_theta``/``rope_scaling`` (read by SGLang's ``llama.py`` and by
     transformers 4) and ``rope_parameters`` (transformers 5, which vLLM 0.32 runs on)."""
-    return {"rope_theta": theta, "rope_scaling": scaling,
-            "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta}}
+    return {
+        "rope_theta": theta,
+        "rope_scaling": scaling,
+        "rope_parameters": {"rope_type": "default", **(scaling or {}), "rope_theta": theta},
+    }
 
 
 def layer_config(hc: dict, target_cfg: dict, dtype: str) -> dict:
@@ -135,11 +151,12 @@ def layer_config(hc: dict, target_cfg: dict, dtype: str) -> dict:
         "hidden_act": hc.get("hidden_act", "silu"),
         "rms_norm_eps": hc["rms_norm_eps"],
         "vocab_size": hc["vocab_size"],
-        "max_position_embeddings": max(int(hc["max_position_embeddings"]),
-                                       int(target_cfg.get("max_position_embeddings") or 0)),
+        "max_position_embeddings": max(
+            int(hc["max_position_embeddings"]), int(target_cfg.get("max_position_embeddings") or 0)
+        ),
         **rope_keys(float(hc["rope_theta"]), hc.get("rope_scaling")),
-        "tie_word_embeddings": False,     # SGLang: true makes lm_head the embedding
-        "attention_bias": False,          # vLLM qkv bias; SGLang attention bias
+        "tie_word_embeddings": False,  # SGLang: true makes lm_head the embedding
+        "attention_bias": False,  # vLLM qkv bias; SGLang attention bias
         "mlp_bias": False,
         "torch_dtype": dtype,
     }
@@ -160,14 +177,17 @@ def research_config(hc: dict, target_cfg: dict, dtype: str = "float32") -> dict:
         "norm_before_fc": False,
         "fc_norm": False,
         "norm_output": False,
-        "eagle_aux_hidden_state_layer_ids": aux,                               # vLLM: HF hidden_states index
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],  # SGLang: one lower
-                         "use_aux_hidden_state": True},
+        "eagle_aux_hidden_state_layer_ids": aux,  # vLLM: HF hidden_states index
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],  # SGLang: one lower
+            "use_aux_hidden_state": True,
+        },
     }
 
 
-def speculators_config(hc: dict, target_cfg: dict, verifier: dict, speculative_tokens: int,
-                       dtype: str = "float32") -> dict:
+def speculators_config(
+    hc: dict, target_cfg: dict, verifier: dict, speculative_tokens: int, dtype: str = "float32"
+) -> dict:
     """``speculators/config.json`` (vllm-project/speculators ``Eagle3SpeculatorConfig``, read by vLLM's
     ``configs/speculators``); ``verifier`` = {"name_or_path", "architectures"} of the target. Every norm
     flag is explicit: vLLM defaults ``norm_before_residual`` to true in this layout."""
@@ -185,11 +205,19 @@ def speculators_config(hc: dict, target_cfg: dict, verifier: dict, speculative_t
         "eagle_aux_hidden_state_layer_ids": [int(i) for i in hc["aux_layer_ids"]],  # HF index, as vLLM
         "speculators_config": {
             "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "proposal_methods": [
+                {
+                    "proposal_type": "greedy",
+                    "speculative_tokens": int(speculative_tokens),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }
+            ],
             "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier.get("name_or_path"),
-                         "architectures": list(verifier.get("architectures") or [])},
+            "verifier": {
+                "name_or_path": verifier.get("name_or_path"),
+                "architectures": list(verifier.get("architectures") or []),
+            },
         },
         "torch_dtype": dtype,
     }
@@ -217,7 +245,7 @@ def export_names(sd: dict[str, Any], rel: str) -> tuple[dict[str, Any], list[str
     for name, t in sd.items():
         if name.startswith(others):
             misnamed.append(name)
-        out["midlayer." + name[len(prefix):] if name.startswith(prefix) else name] = t
+        out["midlayer." + name[len(prefix) :] if name.startswith(prefix) else name] = t
     return out, sorted(misnamed)
 
 
@@ -275,7 +303,7 @@ def _method_of_architectures(archs) -> str | None:
 def _geometry(cfg: dict) -> dict:
     g = {k: cfg.get(k) for k in GEOMETRY_KEYS}
     if g["head_dim"] is None and cfg.get("hidden_size") and cfg.get("num_attention_heads"):
-        g["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]   # both engines' default
+        g["head_dim"] = cfg["hidden_size"] // cfg["num_attention_heads"]  # both engines' default
     if g["num_key_value_heads"] is None:
         g["num_key_value_heads"] = cfg.get("num_attention_heads")
     if g["hidden_act"] is None:
@@ -290,28 +318,35 @@ def _rope(cfg: dict) -> tuple[float, dict | None]:
 def _vllm_research_view(cfg: dict) -> EngineView:
     eagle = cfg.get("eagle_config") or {}
     ids, source = cfg.get("eagle_aux_hidden_state_layer_ids"), "eagle_aux_hidden_state_layer_ids"
-    if not ids:   # gpu_model_runner.py: eagle_config's ids, taken as HF indices (no conversion)
+    if not ids:  # gpu_model_runner.py: eagle_config's ids, taken as HF indices (no conversion)
         ids, source = eagle.get("eagle_aux_hidden_state_layer_ids"), "eagle_config.eagle_aux_hidden_state_layer_ids"
     if not ids:
         ids, source = None, "default (2, N//2, N-3)"
     view = EngineView(
-        engine="vllm", method=_method_of_architectures(cfg.get("architectures")), geometry=_geometry(cfg),
+        engine="vllm",
+        method=_method_of_architectures(cfg.get("architectures")),
+        geometry=_geometry(cfg),
         num_hidden_layers=cfg.get("num_hidden_layers"),
         target_hidden_size=cfg.get("target_hidden_size") or cfg.get("hidden_size"),
         draft_vocab_size=cfg.get("draft_vocab_size") or cfg.get("vocab_size"),
-        aux_layer_ids=layer_order(ids) if ids else None, aux_source=source,
-        norm_flags={"norm_before_residual": bool(cfg.get("norm_before_residual", False)),
-                    "norm_before_fc": bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
-                    "fc_norm": bool(cfg.get("fc_norm", False)), "norm_output": bool(cfg.get("norm_output", False))},
+        aux_layer_ids=layer_order(ids) if ids else None,
+        aux_source=source,
+        norm_flags={
+            "norm_before_residual": bool(cfg.get("norm_before_residual", False)),
+            "norm_before_fc": bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
+            "fc_norm": bool(cfg.get("fc_norm", False)),
+            "norm_output": bool(cfg.get("norm_output", False)),
+        },
         use_aux_hidden_state=bool(eagle.get("use_aux_hidden_state", True)),
         biases={"attention_bias": bool(cfg.get("attention_bias", False)), "mlp_bias": bool(cfg.get("mlp_bias", False))},
-        tie_word_embeddings=False,   # Eagle3LlamaForCausalLM always builds its own lm_head
-        rope=_rope(cfg), max_position_embeddings=cfg.get("max_position_embeddings"),
-        weight_prefixes=("midlayer.", "layers.0."))
-    n_aux = cfg.get("num_aux_hidden_states") or (len(ids) if ids else 3)         # fc's width, from the list
+        tie_word_embeddings=False,  # Eagle3LlamaForCausalLM always builds its own lm_head
+        rope=_rope(cfg),
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        weight_prefixes=("midlayer.", "layers.0."),
+    )
+    n_aux = cfg.get("num_aux_hidden_states") or (len(ids) if ids else 3)  # fc's width, from the list
     if n_aux != 3:
-        view.problems.append(("num_aux_hidden_states", f"vLLM sizes fc for {n_aux} aux states, an EAGLE-3 "
-                                                       f"head has 3"))
+        view.problems.append(("num_aux_hidden_states", f"vLLM sizes fc for {n_aux} aux states, an EAGLE-3 head has 3"))
     return view
 
 
@@ -322,21 +357,27 @@ def _sglang_view(cfg: dict) -> EngineView:
     if "target_hidden_size" in cfg and cfg["target_hidden_size"] is None:
         problems.append(("target_hidden_size", "target_hidden_size is null: SGLang builds fc from it and crashes"))
     return EngineView(
-        engine="sglang", method=_method_of_architectures((cfg.get("architectures") or [None])[:1]),
-        geometry=_geometry(cfg), num_hidden_layers=cfg.get("num_hidden_layers"),
+        engine="sglang",
+        method=_method_of_architectures((cfg.get("architectures") or [None])[:1]),
+        geometry=_geometry(cfg),
+        num_hidden_layers=cfg.get("num_hidden_layers"),
         target_hidden_size=cfg["target_hidden_size"] if "target_hidden_size" in cfg else cfg.get("hidden_size"),
-        draft_vocab_size=cfg.get("draft_vocab_size"),     # null: SGLang serves the target's lm_head instead
+        draft_vocab_size=cfg.get("draft_vocab_size"),  # null: SGLang serves the target's lm_head instead
         aux_layer_ids=layer_order(int(i) + 1 for i in ids) if ids is not None else None,
-        aux_source="eagle_config.eagle_aux_hidden_state_layer_ids + 1" if ids is not None
-        else "default (2, N//2, N-3)",
+        aux_source="eagle_config.eagle_aux_hidden_state_layer_ids + 1" if ids is not None else "default (2, N//2, N-3)",
         norm_flags={"norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False},
         use_aux_hidden_state=bool(eagle.get("use_aux_hidden_state", True)) if isinstance(eagle, dict) else True,
-        biases={"fc_bias": bool(cfg.get("bias", False)),
-                "attention_bias": bool(cfg.get("attention_bias", False) or cfg.get("bias", False)),
-                "mlp_bias": bool(cfg.get("mlp_bias", False))},
+        biases={
+            "fc_bias": bool(cfg.get("bias", False)),
+            "attention_bias": bool(cfg.get("attention_bias", False) or cfg.get("bias", False)),
+            "mlp_bias": bool(cfg.get("mlp_bias", False)),
+        },
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        rope=_rope(cfg), max_position_embeddings=cfg.get("max_position_embeddings"),
-        weight_prefixes=("midlayer.",), problems=problems)
+        rope=_rope(cfg),
+        max_position_embeddings=cfg.get("max_position_embeddings"),
+        weight_prefixes=("midlayer.",),
+        problems=problems,
+    )
 
 
 def _speculators_view(cfg: dict) -> EngineView:
@@ -346,34 +387,62 @@ def _speculators_view(cfg: dict) -> EngineView:
         problems.append(("transformer_layer_config", "transformer_layer_config is missing: vLLM refuses the config"))
         layer = {}
     if layer.get("model_type", "llama") not in ("llama", "qwen3"):
-        problems.append(("model_type", f"transformer_layer_config.model_type {layer.get('model_type')!r}: vLLM "
-                                       f"serves eagle3 speculators of llama or qwen3 layers only"))
+        problems.append(
+            (
+                "model_type",
+                f"transformer_layer_config.model_type {layer.get('model_type')!r}: vLLM "
+                f"serves eagle3 speculators of llama or qwen3 layers only",
+            )
+        )
     spec = cfg.get("speculators_config") or {}
     methods = spec.get("proposal_methods") or [{}]
     k = methods[0].get("speculative_tokens")
     verifier = (spec.get("verifier") or {}).get("name_or_path")
     if k is None or not verifier:
-        problems.append(("speculators_config", "speculators_config needs proposal_methods[0].speculative_tokens "
-                                               "and verifier.name_or_path: vLLM refuses the config"))
+        problems.append(
+            (
+                "speculators_config",
+                "speculators_config needs proposal_methods[0].speculative_tokens "
+                "and verifier.name_or_path: vLLM refuses the config",
+            )
+        )
     method = cfg.get("speculators_model_type")
     if spec.get("algorithm") not in (None, method):
-        problems.append(("method", f"speculators_config.algorithm {spec.get('algorithm')!r} disagrees with "
-                                   f"speculators_model_type {method!r}"))
+        problems.append(
+            (
+                "method",
+                f"speculators_config.algorithm {spec.get('algorithm')!r} disagrees with "
+                f"speculators_model_type {method!r}",
+            )
+        )
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     return EngineView(
-        engine="speculators", method=method, geometry=_geometry(layer), num_hidden_layers=layer.get("num_hidden_layers"),
+        engine="speculators",
+        method=method,
+        geometry=_geometry(layer),
+        num_hidden_layers=layer.get("num_hidden_layers"),
         target_hidden_size=cfg.get("target_hidden_size") or layer.get("hidden_size"),
         draft_vocab_size=cfg.get("draft_vocab_size") or layer.get("vocab_size"),
         aux_layer_ids=layer_order(ids) if ids else None,
         aux_source="eagle_aux_hidden_state_layer_ids" if ids else "default (2, N//2, N-3)",
-        norm_flags={"norm_before_residual": bool(cfg.get("norm_before_residual", True)),   # algos.py: default TRUE
-                    "norm_before_fc": bool(cfg.get("norm_before_fc", False)),
-                    "fc_norm": bool(cfg.get("fc_norm", False)), "norm_output": bool(cfg.get("norm_output", False))},
+        norm_flags={
+            "norm_before_residual": bool(cfg.get("norm_before_residual", True)),  # algos.py: default TRUE
+            "norm_before_fc": bool(cfg.get("norm_before_fc", False)),
+            "fc_norm": bool(cfg.get("fc_norm", False)),
+            "norm_output": bool(cfg.get("norm_output", False)),
+        },
         use_aux_hidden_state=True,
-        biases={"attention_bias": bool(layer.get("attention_bias", False)),
-                "mlp_bias": bool(layer.get("mlp_bias", False))},
-        tie_word_embeddings=False, rope=_rope(layer), max_position_embeddings=layer.get("max_position_embeddings"),
-        weight_prefixes=("layers.0.", "midlayer."), num_speculative_tokens=k, problems=problems)
+        biases={
+            "attention_bias": bool(layer.get("attention_bias", False)),
+            "mlp_bias": bool(layer.get("mlp_bias", False)),
+        },
+        tie_word_embeddings=False,
+        rope=_rope(layer),
+        max_position_embeddings=layer.get("max_position_embeddings"),
+        weight_prefixes=("layers.0.", "midlayer."),
+        num_speculative_tokens=k,
+        problems=problems,
+    )
 
 
 ENGINE_VIEWS = {"vllm": _vllm_research_view, "sglang": _sglang_view, "speculators": _speculators_view}
@@ -398,12 +467,14 @@ def unknown_norm_flags(cfg: dict) -> dict[str, Any]:
                     walk(v, f"{key}.")
             elif "norm" in k.lower() and k not in SUPPORTED_NORM_FLAGS and k not in NOT_NORM_FLAGS:
                 found[key] = v
+
     walk(cfg, "")
     return found
 
 
-def engine_problems(engine: str, cfg: dict, head_config: dict, head_type: str = "eagle3",
-                    target_num_layers: int | None = None) -> list[tuple[str, str]]:
+def engine_problems(
+    engine: str, cfg: dict, head_config: dict, head_type: str = "eagle3", target_num_layers: int | None = None
+) -> list[tuple[str, str]]:
     """(field, message) for every way ``engine`` would build something other than the head described by
     ``head_config`` (``Eagle3Config.to_dict()``) from ``cfg``. Empty: the engine serves this head as trained.
 
@@ -417,16 +488,27 @@ def engine_problems(engine: str, cfg: dict, head_config: dict, head_type: str = 
         out.append((key, f"{key}: {name} reads {got!r}, the head was trained with {want!r}{why}"))
 
     if v.method != head_type:
-        differ("method", v.method, head_type, " (the config's architectures / speculators_model_type say which "
-                                              "drafter it is)")
+        differ(
+            "method",
+            v.method,
+            head_type,
+            " (the config's architectures / speculators_model_type say which drafter it is)",
+        )
     for key, value in unknown_norm_flags(cfg).items():
-        out.append(("norm_flags", f"norm_flags: unknown norm flag {key}={value!r}; the known ones are "
-                                  f"{', '.join(SUPPORTED_NORM_FLAGS)}"))
+        out.append(
+            (
+                "norm_flags",
+                f"norm_flags: unknown norm flag {key}={value!r}; the known ones are {', '.join(SUPPORTED_NORM_FLAGS)}",
+            )
+        )
     for key, supported in SUPPORTED_NORM_FLAGS.items():
         want = bool(head_config.get(key, supported))
         if v.norm_flags[key] != want:
-            why = (" (absent keys default to true in the speculators layout)"
-                   if engine == "speculators" and key == "norm_before_residual" and key not in cfg else "")
+            why = (
+                " (absent keys default to true in the speculators layout)"
+                if engine == "speculators" and key == "norm_before_residual" and key not in cfg
+                else ""
+            )
             differ(key, v.norm_flags[key], want, why)
     if v.num_hidden_layers != 1:
         differ("num_hidden_layers", v.num_hidden_layers, 1, " (decoder layers of the head)")
@@ -439,14 +521,23 @@ def engine_problems(engine: str, cfg: dict, head_config: dict, head_type: str = 
     if v.target_hidden_size != head_config["hidden_size"]:
         differ("target_hidden_size", v.target_hidden_size, head_config["hidden_size"])
     if v.draft_vocab_size != head_config["draft_vocab_size"]:
-        differ("draft_vocab_size", v.draft_vocab_size, head_config["draft_vocab_size"],
-               " (SGLang serves the target's lm_head when it is null)" if engine == "sglang" else "")
+        differ(
+            "draft_vocab_size",
+            v.draft_vocab_size,
+            head_config["draft_vocab_size"],
+            " (SGLang serves the target's lm_head when it is null)" if engine == "sglang" else "",
+        )
     aux, want_aux = v.aux_layer_ids, tuple(int(i) for i in head_config["aux_layer_ids"])
     if aux is None and target_num_layers is not None:
         aux = default_engine_aux_layers(target_num_layers)
-    if aux != want_aux:      # the engine's concatenation order against the fc's trained column order
-        differ("aux_layer_ids", aux, want_aux, f" (HF hidden_states index in the order the engine concatenates "
-                                               f"the states: layer order; from {v.aux_source})")
+    if aux != want_aux:  # the engine's concatenation order against the fc's trained column order
+        differ(
+            "aux_layer_ids",
+            aux,
+            want_aux,
+            f" (HF hidden_states index in the order the engine concatenates "
+            f"the states: layer order; from {v.aux_source})",
+        )
     if not v.use_aux_hidden_state:
         differ("use_aux_hidden_state", False, True)
     for key, on in v.biases.items():
@@ -458,7 +549,8 @@ def engine_problems(engine: str, cfg: dict, head_config: dict, head_type: str = 
     if (float(v.rope[0]), v.rope[1]) != want_rope:
         differ("rope", v.rope, want_rope)
     if v.max_position_embeddings is not None and int(v.max_position_embeddings) < int(
-            head_config.get("max_position_embeddings") or 0):
+        head_config.get("max_position_embeddings") or 0
+    ):
         differ("max_position_embeddings", v.max_position_embeddings, head_config.get("max_position_embeddings"))
     return out
 
@@ -475,8 +567,9 @@ def _listed_aux_ids(engine: str, cfg: dict) -> list[int] | None:
     return [int(i) for i in ids] if ids else None
 
 
-def read_engine_dir(path: str | Path, engine: str, target_num_layers: int | None = None,
-                    head_type: str = "eagle3") -> tuple[dict, dict[str, torch.Tensor]]:
+def read_engine_dir(
+    path: str | Path, engine: str, target_num_layers: int | None = None, head_type: str = "eagle3"
+) -> tuple[dict, dict[str, torch.Tensor]]:
     """Read ``path`` (config.json + model.safetensors) the way ``engine`` reads it: returns
     (``Eagle3Config``-style dict, state dict under our export names). No draftsmith.json is needed.
 
@@ -493,43 +586,61 @@ def read_engine_dir(path: str | Path, engine: str, target_num_layers: int | None
     aux = v.aux_layer_ids
     if aux is None:
         if target_num_layers is None:
-            raise HeadMismatchError("aux_layer_ids", f"{path}: {ENGINE_NAMES[engine]} would use its default aux "
-                                    f"layers (2, N//2, N-3); pass target_num_layers to resolve them. Fix: write "
-                                    f"the ids explicitly (draftsmith export does).")
+            raise HeadMismatchError(
+                "aux_layer_ids",
+                f"{path}: {ENGINE_NAMES[engine]} would use its default aux "
+                f"layers (2, N//2, N-3); pass target_num_layers to resolve them. Fix: write "
+                f"the ids explicitly (draftsmith export does).",
+            )
         aux = default_engine_aux_layers(target_num_layers)
     listed = _listed_aux_ids(engine, cfg)
-    if listed is not None and tuple(listed) != aux:   # the config is the only record of the fc's column order
-        raise HeadMismatchError("aux_layer_ids", f"{path}: aux_layer_ids: the config lists {list(listed)} (HF "
-                                f"hidden_states index, {v.aux_source}), {ENGINE_NAMES[engine]} concatenates the "
-                                f"states in layer order {aux}: the fc was trained on one order and would be fed "
-                                f"another. Fix: retrain the head with ascending ids {list(aux)} (or permute fc's "
-                                f"column blocks into layer order) and re-export it.")
-    hc = {**{k: g[k] for k in GEOMETRY_KEYS}, "draft_vocab_size": v.draft_vocab_size or g["vocab_size"],
-          "aux_layer_ids": list(aux), "rope_theta": float(rope_theta), "rope_scaling": rope_scaling,
-          "max_position_embeddings": int(v.max_position_embeddings or 2048),
-          "norm_before_residual": v.norm_flags["norm_before_residual"],
-          "ttt_steps": int(v.num_speculative_tokens or 7)}
+    if listed is not None and tuple(listed) != aux:  # the config is the only record of the fc's column order
+        raise HeadMismatchError(
+            "aux_layer_ids",
+            f"{path}: aux_layer_ids: the config lists {list(listed)} (HF "
+            f"hidden_states index, {v.aux_source}), {ENGINE_NAMES[engine]} concatenates the "
+            f"states in layer order {aux}: the fc was trained on one order and would be fed "
+            f"another. Fix: retrain the head with ascending ids {list(aux)} (or permute fc's "
+            f"column blocks into layer order) and re-export it.",
+        )
+    hc = {
+        **{k: g[k] for k in GEOMETRY_KEYS},
+        "draft_vocab_size": v.draft_vocab_size or g["vocab_size"],
+        "aux_layer_ids": list(aux),
+        "rope_theta": float(rope_theta),
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": int(v.max_position_embeddings or 2048),
+        "norm_before_residual": v.norm_flags["norm_before_residual"],
+        "ttt_steps": int(v.num_speculative_tokens or 7),
+    }
     problems = engine_problems(engine, cfg, {**hc, "norm_before_residual": False}, head_type, target_num_layers)
     if problems:
-        raise HeadMismatchError(problems[0][0], f"{path}: {ENGINE_NAMES[engine]} builds a head draftsmith does not "
-                                f"serve:\n  - " + "\n  - ".join(m for _, m in problems) +
-                                "\nFix: re-export the head with `draftsmith export`.")
+        raise HeadMismatchError(
+            problems[0][0],
+            f"{path}: {ENGINE_NAMES[engine]} builds a head draftsmith does not "
+            f"serve:\n  - "
+            + "\n  - ".join(m for _, m in problems)
+            + "\nFix: re-export the head with `draftsmith export`.",
+        )
     raw = load_file(str(path / "model.safetensors"))
     sd, dropped = {}, []
     for name, t in raw.items():
         prefix = next((p for p in v.weight_prefixes if name.startswith(p)), None)
         if prefix is not None:
-            name = "midlayer." + name[len(prefix):]
+            name = "midlayer." + name[len(prefix) :]
         elif name.startswith(("layers.", "midlayer.")):
             dropped.append(name)
             continue
         sd[name] = t
     if dropped:
-        raise HeadMismatchError("weights", f"{path}: {ENGINE_NAMES[engine]} loads decoder weights named "
-                                f"{' or '.join(v.weight_prefixes)}* only and would drop {', '.join(sorted(dropped)[:4])}"
-                                f"{' ...' if len(dropped) > 4 else ''} without a word. Fix: re-export with "
-                                f"`draftsmith export --format {engine}`.")
-    if "d2t" in sd and "t2d" not in sd:      # both engines skip t2d: rebuild it from d2t (when in range)
+        raise HeadMismatchError(
+            "weights",
+            f"{path}: {ENGINE_NAMES[engine]} loads decoder weights named "
+            f"{' or '.join(v.weight_prefixes)}* only and would drop {', '.join(sorted(dropped)[:4])}"
+            f"{' ...' if len(dropped) > 4 else ''} without a word. Fix: re-export with "
+            f"`draftsmith export --format {engine}`.",
+        )
+    if "d2t" in sd and "t2d" not in sd:  # both engines skip t2d: rebuild it from d2t (when in range)
         target_ids = torch.arange(sd["d2t"].numel()) + sd["d2t"]
         if target_ids.numel() and 0 <= int(target_ids.min()) and int(target_ids.max()) < hc["vocab_size"]:
             sd["t2d"] = torch.zeros(hc["vocab_size"], dtype=torch.bool).index_fill_(0, target_ids, True)

@@ -19,6 +19,7 @@ mode, the chain keys of its own row t (the "diagonal" of training-time test):
 Positions: step 0 at prefix index t uses position t; chain step i rooted at t uses position t + i
 (the drafted tokens' positions, as vLLM's EAGLE proposer increments them).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -47,15 +48,15 @@ class Eagle3Config:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    vocab_size: int                       #: target vocabulary V
-    draft_vocab_size: int                 #: draft vocabulary Vd (== V means no d2t/t2d)
-    aux_layer_ids: tuple[int, int, int]   #: HF output_hidden_states indices, strictly ascending (low -> high)
+    vocab_size: int  #: target vocabulary V
+    draft_vocab_size: int  #: draft vocabulary Vd (== V means no d2t/t2d)
+    aux_layer_ids: tuple[int, int, int]  #: HF output_hidden_states indices, strictly ascending (low -> high)
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None      #: the target's non-default RoPE parameters, if any
+    rope_scaling: dict | None = None  #: the target's non-default RoPE parameters, if any
     max_position_embeddings: int = 2048
     hidden_act: str = "silu"
-    norm_before_residual: bool = False    #: the original EAGLE-3 layout; the only one SGLang serves
+    norm_before_residual: bool = False  #: the original EAGLE-3 layout; the only one SGLang serves
     ttt_steps: int = 7
 
     def __post_init__(self):
@@ -65,14 +66,21 @@ class Eagle3Config:
         if (problem := aux_layer_order_problem(self.aux_layer_ids)) is not None:
             raise ValueError(problem)
         if self.norm_before_residual:
-            raise ValueError("norm_before_residual=True is not supported: draftsmith heads use the original "
-                             "EAGLE-3 layout (residual = fused features), which every engine serves")
+            raise ValueError(
+                "norm_before_residual=True is not supported: draftsmith heads use the original "
+                "EAGLE-3 layout (residual = fused features), which every engine serves"
+            )
         if not 0 < self.draft_vocab_size <= self.vocab_size:
             raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in 1..vocab_size {self.vocab_size}")
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int | None = None,
-                    aux_layer_ids: tuple[int, int, int] | None = None, ttt_steps: int = 7) -> "Eagle3Config":
+    def from_target(
+        cls,
+        target_config,
+        draft_vocab_size: int | None = None,
+        aux_layer_ids: tuple[int, int, int] | None = None,
+        ttt_steps: int = 7,
+    ) -> "Eagle3Config":
         """Head geometry matching a transformers target config (Llama, Qwen2/3, Mistral, ...)."""
         c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
         rope = dict(getattr(c, "rope_parameters", None) or {})
@@ -80,13 +88,19 @@ class Eagle3Config:
         scaling = rope if rope.get("rope_type", "default") != "default" else None
         heads = c.num_attention_heads
         return cls(
-            hidden_size=c.hidden_size, intermediate_size=c.intermediate_size, num_attention_heads=heads,
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=heads,
             num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-            vocab_size=c.vocab_size, draft_vocab_size=draft_vocab_size or c.vocab_size,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=draft_vocab_size or c.vocab_size,
             aux_layer_ids=tuple(aux_layer_ids or default_aux_layer_ids(c.num_hidden_layers)),
-            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6), rope_theta=theta, rope_scaling=scaling,
-            max_position_embeddings=c.max_position_embeddings, hidden_act=getattr(c, "hidden_act", "silu"),
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=c.max_position_embeddings,
+            hidden_act=getattr(c, "hidden_act", "silu"),
             ttt_steps=ttt_steps,
         )
 
@@ -106,11 +120,18 @@ class Eagle3Config:
     def llama_config(self) -> LlamaConfig:
         """The LlamaConfig whose rotary embedding and MLP the head reuses."""
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
-        return LlamaConfig(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-                           num_attention_heads=self.num_attention_heads,
-                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                           rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
-                           hidden_act=self.hidden_act, rope_parameters=rope, vocab_size=self.vocab_size)
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act=self.hidden_act,
+            rope_parameters=rope,
+            vocab_size=self.vocab_size,
+        )
 
 
 @dataclass
@@ -145,8 +166,8 @@ class Eagle3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: HeadKV, mode: str) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)   # [B, nh, T, hd]
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)      # [B, nkv, T, hd]
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, hd]
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if mode == "prefix":
@@ -160,7 +181,7 @@ class Eagle3Attention(nn.Module):
             kv.chain.append((k, v))
         else:
             raise ValueError(f"mode must be 'prefix' or 'chain', got {mode!r}")
-        out = attend(q, kv)                                                           # [B, nh, T, hd]
+        out = attend(q, kv)  # [B, nh, T, hd]
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -171,21 +192,21 @@ def attend(q: torch.Tensor, kv: HeadKV) -> torch.Tensor:
     b, nh, t, hd = q.shape
     rep = nh // kv.prefix_k.shape[1]
     scale = 1.0 / math.sqrt(hd)
-    pk = kv.prefix_k.repeat_interleave(rep, dim=1)                                     # [B, nh, L, hd]
+    pk = kv.prefix_k.repeat_interleave(rep, dim=1)  # [B, nh, L, hd]
     pv = kv.prefix_v.repeat_interleave(rep, dim=1)
     L = pk.shape[2]
-    scores = torch.matmul(q, pk.transpose(-1, -2)) * scale                             # [B, nh, T, L]
-    roots = torch.arange(L - t, L, device=q.device)[:, None]                           # [T, 1]
-    visible = torch.arange(L, device=q.device)[None, :] <= roots                        # [T, L]
+    scores = torch.matmul(q, pk.transpose(-1, -2)) * scale  # [B, nh, T, L]
+    roots = torch.arange(L - t, L, device=q.device)[:, None]  # [T, 1]
+    visible = torch.arange(L, device=q.device)[None, :] <= roots  # [T, L]
     scores = scores.masked_fill(~visible, float("-inf"))
     chain_v = []
     if kv.chain:
         ck = torch.stack([k.repeat_interleave(rep, dim=1) for k, _ in kv.chain], dim=-2)  # [B, nh, T, S, hd]
         chain_v = torch.stack([v.repeat_interleave(rep, dim=1) for _, v in kv.chain], dim=-2)
-        chain_scores = (q.unsqueeze(-2) * ck).sum(-1) * scale                           # [B, nh, T, S]
+        chain_scores = (q.unsqueeze(-2) * ck).sum(-1) * scale  # [B, nh, T, S]
         scores = torch.cat([scores, chain_scores], dim=-1)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    out = torch.matmul(probs[..., :L], pv)                                              # [B, nh, T, hd]
+    out = torch.matmul(probs[..., :L], pv)  # [B, nh, T, hd]
     if kv.chain:
         out = out + (probs[..., L:].unsqueeze(-1) * chain_v).sum(-2)
     return out
@@ -231,8 +252,10 @@ class Eagle3Head(nn.Module):
     def bind_embedding(self, embedding: nn.Module) -> None:
         """Use the target's input embedding (kept frozen and outside this module's state)."""
         if embedding.weight.shape != (self.config.vocab_size, self.config.hidden_size):
-            raise ValueError(f"embedding shape {tuple(embedding.weight.shape)} does not match the head's "
-                             f"(vocab_size, hidden_size) = ({self.config.vocab_size}, {self.config.hidden_size})")
+            raise ValueError(
+                f"embedding shape {tuple(embedding.weight.shape)} does not match the head's "
+                f"(vocab_size, hidden_size) = ({self.config.vocab_size}, {self.config.hidden_size})"
+            )
         self._embedding = (embedding,)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -246,9 +269,15 @@ class Eagle3Head(nn.Module):
         """g = fc(aux) : [B, T, 3H] -> [B, T, H]."""
         return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
-    def step(self, hidden: torch.Tensor, input_ids: torch.Tensor, kv: HeadKV, mode: str,
-             position_ids: torch.Tensor | None = None, with_logits: bool = True
-             ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def step(
+        self,
+        hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        kv: HeadKV,
+        mode: str,
+        position_ids: torch.Tensor | None = None,
+        with_logits: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One draft step. hidden [B, T, H] (g at step 0, previous hidden after), input_ids [B, T].
 
         position_ids [B, T] default to the queries' root indices plus the chain depth after the call.
@@ -274,8 +303,10 @@ class Eagle3Head(nn.Module):
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install the vocab map (see ``heads.vocab``); shapes [Vd] int64 and [V] bool."""
         if d2t.shape != self.d2t.shape or t2d.shape != self.t2d.shape:
-            raise ValueError(f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
-                             f"the head's ({self.config.draft_vocab_size},), ({self.config.vocab_size},)")
+            raise ValueError(
+                f"vocab map shapes d2t {tuple(d2t.shape)}, t2d {tuple(t2d.shape)} do not match "
+                f"the head's ({self.config.draft_vocab_size},), ({self.config.vocab_size},)"
+            )
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
@@ -284,7 +315,7 @@ class Eagle3Head(nn.Module):
         """Start ``lm_head`` from the target's output rows of the draft vocab and ``norm`` from its final norm.
 
         A warm start (not part of the paper's recipe) that shortens CPU training; call after set_vocab_map."""
-        out = target.get_output_embeddings().weight                     # may live on another device (cuda)
+        out = target.get_output_embeddings().weight  # may live on another device (cuda)
         ids = self.draft_to_target(torch.arange(self.config.draft_vocab_size, device=self.d2t.device))
         self.lm_head.weight.copy_(out[ids.to(out.device)].to(self.lm_head.weight))
         final_norm = getattr(getattr(target, "model", None), "norm", None)
@@ -294,8 +325,11 @@ class Eagle3Head(nn.Module):
     # -- export names (DESIGN.md §6) ------------------------------------------------------------
     def export_state_dict(self) -> dict[str, torch.Tensor]:
         """Weights under their exported names; d2t/t2d omitted when Vd == V. No embedding, no biases."""
-        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()
-              if not k.startswith("rotary.") and k not in ("d2t", "t2d")}
+        sd = {
+            k: v.detach().contiguous()
+            for k, v in self.state_dict().items()
+            if not k.startswith("rotary.") and k not in ("d2t", "t2d")
+        }
         if self.config.draft_vocab_size != self.config.vocab_size:
             sd["d2t"], sd["t2d"] = self.d2t.clone(), self.t2d.clone()
         return sd

@@ -12,6 +12,7 @@ After verification the accepted drafts and the target's token extend the context
 the draft vocabulary and is scattered into the target vocabulary through d2t (zero elsewhere) before
 verification (DESIGN.md §7). Head steps run in the head's dtype; batch size 1.
 """
+
 from __future__ import annotations
 
 import logging
@@ -34,9 +35,18 @@ def warn_beyond_trained_depth(k: int, ttt_steps: int | None, head: str, knob: st
     Returns True when it warned (False also when ``ttt_steps`` is unknown)."""
     if ttt_steps is None or k <= ttt_steps:
         return False
-    logger.warning("%s=%d exceeds the depth %s was trained for (ttt_steps=%d): drafts past position %d come from "
-                   "untrained steps and are rarely accepted; use %s <= %d or train with ttt_steps >= %d",
-                   knob, k, head, ttt_steps, ttt_steps, knob, ttt_steps, k)
+    logger.warning(
+        "%s=%d exceeds the depth %s was trained for (ttt_steps=%d): drafts past position %d come from "
+        "untrained steps and are rarely accepted; use %s <= %d or train with ttt_steps >= %d",
+        knob,
+        k,
+        head,
+        ttt_steps,
+        ttt_steps,
+        knob,
+        ttt_steps,
+        k,
+    )
     return True
 
 
@@ -51,42 +61,49 @@ class Eagle3Proposer(Proposer):
 
     needs_aux_hidden = True
 
-    def __init__(self, head: Eagle3Head, *, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None):
+    def __init__(
+        self,
+        head: Eagle3Head,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.head = head.eval()
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.generator = torch.Generator(device=head.fc.weight.device)
         if seed is None:
-            self.generator.seed()                      # nondeterministic, not torch's fixed default seed
+            self.generator.seed()  # nondeterministic, not torch's fixed default seed
         else:
             self.generator.manual_seed(seed)
         vd = head.config.draft_vocab_size
-        self.draft_ids = head.draft_to_target(torch.arange(vd, device=head.fc.weight.device))   # [Vd] target ids
+        self.draft_ids = head.draft_to_target(torch.arange(vd, device=head.fc.weight.device))  # [Vd] target ids
         self.kv = HeadKV()
-        self.last_hidden: torch.Tensor | None = None   # [1, 1, H]
-        self.last_logits: torch.Tensor | None = None   # [Vd]
+        self.last_hidden: torch.Tensor | None = None  # [1, 1, H]
+        self.last_logits: torch.Tensor | None = None  # [Vd]
 
     @torch.inference_mode()
     def _extend_prefix(self, aux_hidden: torch.Tensor, next_tokens: torch.Tensor) -> None:
         """Prefix step over new context positions: aux_hidden [n, 3H], next_tokens [n] (token after each)."""
         self.kv.reset_chain()
         dev = self.head.fc.weight.device
-        g = self.head.fuse(aux_hidden.to(dev)[None])                                   # [1, n, H]
+        g = self.head.fuse(aux_hidden.to(dev)[None])  # [1, n, H]
         hidden, logits = self.head.step(g, next_tokens.to(dev)[None], self.kv, "prefix")
         self.last_hidden, self.last_logits = hidden[:, -1:], logits[0, -1]
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, target_step) -> None:
         self.kv = HeadKV()
-        next_tokens = torch.cat([prompt_ids[1:].cpu(), torch.tensor([first_token])])   # x_{j+1} for j < T
+        next_tokens = torch.cat([prompt_ids[1:].cpu(), torch.tensor([first_token])])  # x_{j+1} for j < T
         self._extend_prefix(target_step.aux_hidden, next_tokens)
 
     def _draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """One draft from draft-vocab logits [Vd]: (target id, q over the target vocab [V] or None)."""
         if self.temperature == 0:
             return int(self.draft_ids[int(logits.argmax())]), None
-        q_draft = logits_to_probs(logits.float(), self.temperature, self.top_k, self.top_p)   # [Vd]
+        q_draft = logits_to_probs(logits.float(), self.temperature, self.top_k, self.top_p)  # [Vd]
         d = int(sample(q_draft, self.generator))
         q = torch.zeros(self.head.config.vocab_size, dtype=q_draft.dtype, device=q_draft.device)
         q[self.draft_ids] = q_draft

@@ -14,6 +14,7 @@ this module says what is EAGLE-3 about a run (:class:`Eagle3Spec`):
   * in-loop τ with ``Eagle3Proposer`` over the head, the target exposing the head's aux layers;
   * the vocab map is kept with every checkpoint and wins on resume (the weights were trained on it).
 """
+
 from __future__ import annotations
 
 import logging
@@ -35,9 +36,12 @@ logger = logging.getLogger(__name__)
 
 def build_head(target, vocab_map: VocabMap, cfg: Section) -> Eagle3Head:
     """An EAGLE-3 head sized for ``target`` with ``vocab_map`` installed and the target's embedding bound."""
-    config = Eagle3Config.from_target(target.config, draft_vocab_size=vocab_map.draft_vocab_size,
-                                      aux_layer_ids=tuple(cfg.aux_layer_ids) if cfg.aux_layer_ids else None,
-                                      ttt_steps=cfg.ttt_steps)
+    config = Eagle3Config.from_target(
+        target.config,
+        draft_vocab_size=vocab_map.draft_vocab_size,
+        aux_layer_ids=tuple(cfg.aux_layer_ids) if cfg.aux_layer_ids else None,
+        ttt_steps=cfg.ttt_steps,
+    )
     head = Eagle3Head(config)
     head.set_vocab_map(vocab_map.d2t, vocab_map.t2d)
     head.bind_embedding(target.get_input_embeddings())
@@ -59,8 +63,16 @@ class TTTObjective(torch.nn.Module):
 
     def forward(self, aux_hidden, input_ids, target_logits, loss_mask, attention_mask):
         """``ttt_loss`` of one micro-batch (shapes in the class docstring); stats rows: loss, acc, count."""
-        out = ttt_loss(self.head, aux_hidden, input_ids, target_logits, loss_mask, step_decay=self.step_decay,
-                       attention_mask=attention_mask, prompt_loss_weight=self.prompt_loss_weight)
+        out = ttt_loss(
+            self.head,
+            aux_hidden,
+            input_ids,
+            target_logits,
+            loss_mask,
+            step_decay=self.step_decay,
+            attention_mask=attention_mask,
+            prompt_loss_weight=self.prompt_loss_weight,
+        )
         stats = torch.tensor([out.step_loss, out.step_acc, out.step_count], dtype=torch.float64)
         return out.loss, stats
 
@@ -75,7 +87,7 @@ class Eagle3Spec(DrafterSpec):
 
     name = "eagle3"
     batch_fields = frozenset({"aux_hidden", "target_logits"})
-    reads_unnamed_checkpoints = True               # the trainer's checkpoints before drafter specs were EAGLE-3's
+    reads_unnamed_checkpoints = True  # the trainer's checkpoints before drafter specs were EAGLE-3's
 
     def __init__(self, head_cfg: Section, vocab_map: VocabMap):
         self.section, self.vocab_map = head_cfg, vocab_map
@@ -118,14 +130,19 @@ class Eagle3Spec(DrafterSpec):
 
         Raises ValueError for a checkpoint that holds no map and was trained on another one."""
         saved = checkpoint_vocab_map(ckpt_dir)
-        if saved is None:                         # checkpoint written before maps were saved: only the hash is known
+        if saved is None:  # checkpoint written before maps were saved: only the hash is known
             if resume.state["extra"].get("d2t_sha256") != self.vocab_map.sha256():
-                raise ValueError(f"{ckpt_dir} was trained with another vocab map and does not hold it; keep the "
-                                 "run's prepared data or start anew")
+                raise ValueError(
+                    f"{ckpt_dir} was trained with another vocab map and does not hold it; keep the "
+                    "run's prepared data or start anew"
+                )
             return
         if saved.sha256() != self.vocab_map.sha256():
-            logger.warning("resuming %s: the data's draft vocabulary differs from the checkpoint's; keeping the "
-                           "checkpoint's (the head was trained on it)", ckpt_dir)
+            logger.warning(
+                "resuming %s: the data's draft vocabulary differs from the checkpoint's; keeping the "
+                "checkpoint's (the head was trained on it)",
+                ckpt_dir,
+            )
         self.vocab_map = saved
 
     def checkpoint_extra(self) -> dict:

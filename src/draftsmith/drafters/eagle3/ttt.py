@@ -21,6 +21,7 @@ still learns the target, not the dataset; what changes is that the inputs are te
 rather than wrote. On small datasets this multiplies the supervised positions at no extra compute
 (every position is unrolled anyway). Accuracies are reported on assistant rows only.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,9 +42,17 @@ class TTTOutput:
     step_count: list[int]
 
 
-def ttt_loss(head: Eagle3Head, aux_hidden: torch.Tensor, input_ids: torch.Tensor, target_logits: torch.Tensor,
-             loss_mask: torch.Tensor, ttt_steps: int | None = None, step_decay: float = 0.8,
-             attention_mask: torch.Tensor | None = None, prompt_loss_weight: float = 0.0) -> TTTOutput:
+def ttt_loss(
+    head: Eagle3Head,
+    aux_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    ttt_steps: int | None = None,
+    step_decay: float = 0.8,
+    attention_mask: torch.Tensor | None = None,
+    prompt_loss_weight: float = 0.0,
+) -> TTTOutput:
     """TTT loss for one batch.
 
     aux_hidden [B, T, 3H], input_ids [B, T], target_logits [B, T, V], loss_mask [B, T] bool (token t is
@@ -55,25 +64,25 @@ def ttt_loss(head: Eagle3Head, aux_hidden: torch.Tensor, input_ids: torch.Tensor
     predicts_supervised, row_weight = row_weights(loss_mask, attention_mask, prompt_loss_weight)
     steps = ttt_steps or head.config.ttt_steps
     draft_ids = head.draft_to_target(torch.arange(head.config.draft_vocab_size, device=input_ids.device))
-    target_argmax = target_logits.argmax(-1)                                          # [B, T]
-    target_probs = torch.softmax(target_logits[..., draft_ids].float(), dim=-1)       # [B, T, Vd]
-    in_draft = head.t2d[target_argmax]                                                # [B, T]
+    target_argmax = target_logits.argmax(-1)  # [B, T]
+    target_probs = torch.softmax(target_logits[..., draft_ids].float(), dim=-1)  # [B, T, Vd]
+    in_draft = head.t2d[target_argmax]  # [B, T]
     kv = HeadKV()
-    hidden = head.fuse(aux_hidden)                                                     # [B, T, H]
+    hidden = head.fuse(aux_hidden)  # [B, T, H]
     total = hidden.new_zeros((), dtype=torch.float32)
     step_loss, step_acc, step_count = [], [], []
     for i in range(steps):
-        tokens = shift_left(input_ids, 1 + i, 0)                                       # x_{t+1+i}
+        tokens = shift_left(input_ids, 1 + i, 0)  # x_{t+1+i}
         hidden, _ = head.step(hidden, tokens, kv, mode="prefix" if i == 0 else "chain", with_logits=False)
-        weight = shift_left(row_weight * in_draft, 1 + i, 0.0)                        # [B, T]
+        weight = shift_left(row_weight * in_draft, 1 + i, 0.0)  # [B, T]
         scored = weight > 0
         supervised = shift_left(predicts_supervised & in_draft, 1 + i, False)[scored]  # [m] accuracy rows
-        w = weight[scored]                                                             # [m]
+        w = weight[scored]  # [m]
         n = int(supervised.sum())
-        logits = head.logits(hidden[scored])                                           # [m, Vd], scored rows only
-        p = shift_left(target_probs, 1 + i, 0.0)[scored]                               # label at t+1+i, [m, Vd]
+        logits = head.logits(hidden[scored])  # [m, Vd], scored rows only
+        p = shift_left(target_probs, 1 + i, 0.0)[scored]  # label at t+1+i, [m, Vd]
         loss_i = (soft_cross_entropy(logits, p) * w).sum() / w.sum().clamp_min(1e-6)
-        total = total + (step_decay ** i) * loss_i
+        total = total + (step_decay**i) * loss_i
         with torch.no_grad():
             pred = head.draft_to_target(logits.argmax(-1))
             hits = int(((pred == shift_left(target_argmax, 1 + i, -1)[scored]) & supervised).sum())

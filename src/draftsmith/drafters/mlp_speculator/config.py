@@ -7,13 +7,14 @@
 
 Served as vLLM reads it: ``{"method": "mlp_speculator", "model": HEAD_DIR, "num_speculative_tokens": k}``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from draftsmith.drafters.config import DrafterSection, SpeculativeRules
 
-LEGACY_SECTION = "mlp_speculator"          #: this drafter's recipe section in draftsmith 0.1 (pipeline.recipe)
+LEGACY_SECTION = "mlp_speculator"  #: this drafter's recipe section in draftsmith 0.1 (pipeline.recipe)
 RULES = SpeculativeRules(needs_model=True, model_help="the exported MLP speculator directory")
 
 
@@ -25,12 +26,12 @@ class Section(DrafterSection):
     (a stage drafts one token; vLLM refuses more too)."""
 
     method: str = "mlp_speculator"
-    n_predict: int = 5                   #: stages = most tokens drafted per step (serve k <= n_predict)
-    inner_dim: int | None = None         #: stages' width D; None = the target's hidden size
-    scale_input: bool = False            #: rms-normalise the stage-0 state and divide it by sqrt(2) (vLLM field)
-    stage_decay: float = 1.0             #: loss weight of stage i is stage_decay**i (1.0: all stages alike)
-    prompt_loss_weight: float = 0.0      #: weight of prompt positions in the distillation loss (as EAGLE-3's)
-    init_from_target: bool = True        #: stages' emb / head start from the target's embeddings (needs D == H)
+    n_predict: int = 5  #: stages = most tokens drafted per step (serve k <= n_predict)
+    inner_dim: int | None = None  #: stages' width D; None = the target's hidden size
+    scale_input: bool = False  #: rms-normalise the stage-0 state and divide it by sqrt(2) (vLLM field)
+    stage_decay: float = 1.0  #: loss weight of stage i is stage_decay**i (1.0: all stages alike)
+    prompt_loss_weight: float = 0.0  #: weight of prompt positions in the distillation loss (as EAGLE-3's)
+    init_from_target: bool = True  #: stages' emb / head start from the target's embeddings (needs D == H)
 
     def __post_init__(self):
         super().__post_init__()
@@ -39,6 +40,8 @@ class Section(DrafterSection):
         if not 0.0 < self.stage_decay <= 1.0:
             raise ValueError(f"drafter.stage_decay must be in (0, 1], got {self.stage_decay}")
         if self.num_speculative_tokens > self.n_predict:
-            raise ValueError(f"drafter.num_speculative_tokens={self.num_speculative_tokens} > drafter.n_predict="
-                             f"{self.n_predict}: an MLP speculator drafts one token per stage; set "
-                             f"num_speculative_tokens <= {self.n_predict} or train more stages")
+            raise ValueError(
+                f"drafter.num_speculative_tokens={self.num_speculative_tokens} > drafter.n_predict="
+                f"{self.n_predict}: an MLP speculator drafts one token per stage; set "
+                f"num_speculative_tokens <= {self.n_predict} or train more stages"
+            )

@@ -1,6 +1,7 @@
 """The MLP speculator (Wertheimer et al. 2024, arXiv:2404.19124) as a ``Drafter``: the stages (``head.py``),
 their teacher-forced training spec (``train.py``), the chain proposer (``proposer.py``) and the draftsmith + vLLM
 directory (``export.py``: export, check, load, card)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,7 +10,7 @@ from typing import Any, Sequence
 import torch
 
 from draftsmith.core.proposer import Proposer
-from draftsmith.drafters.base import example_target_name, Drafter, LoadedDrafter, MemoryItems, Sampling, in_fast_dtype
+from draftsmith.drafters.base import Drafter, LoadedDrafter, MemoryItems, Sampling, example_target_name, in_fast_dtype
 from draftsmith.drafters.mlp_speculator.config import Section
 from draftsmith.drafters.mlp_speculator.export import (
     MLP_FORMATS,
@@ -36,8 +37,9 @@ class LoadedMLPSpeculator(LoadedDrafter):
 
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh ``MLPSpeculatorProposer`` drafting with the request's settings."""
-        return MLPSpeculatorProposer(self.head, temperature=sampling.temperature, top_k=sampling.top_k,
-                                     top_p=sampling.top_p, seed=sampling.seed)
+        return MLPSpeculatorProposer(
+            self.head, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed
+        )
 
 
 class MLPSpeculatorDrafter(Drafter):
@@ -47,17 +49,21 @@ class MLPSpeculatorDrafter(Drafter):
     summary = "MLP speculator (Wertheimer et al. 2024): stages on the target's final hidden state"
     formats = MLP_FORMATS
 
-    def load(self, spec: SpeculativeConfig, target_model, tokenizer, allow_mismatch: Sequence[str] = ()
-             ) -> LoadedMLPSpeculator:
+    def load(
+        self, spec: SpeculativeConfig, target_model, tokenizer, allow_mismatch: Sequence[str] = ()
+    ) -> LoadedMLPSpeculator:
         """``export.load_mlp_speculator`` (checked against the target) on its device in a native dtype.
 
         Raises ValueError when k exceeds n_predict (a stage drafts one token; vLLM refuses it too)."""
-        head, _ = load_mlp_speculator(spec.model, target_model=target_model, tokenizer=tokenizer,
-                                      allow_mismatch=allow_mismatch)
+        head, _ = load_mlp_speculator(
+            spec.model, target_model=target_model, tokenizer=tokenizer, allow_mismatch=allow_mismatch
+        )
         if spec.num_speculative_tokens > head.config.n_predict:
-            raise ValueError(f"speculative config: num_speculative_tokens {spec.num_speculative_tokens} > the MLP "
-                             f"speculator's n_predict {head.config.n_predict} (it drafts one token per stage); use "
-                             f"num_speculative_tokens <= {head.config.n_predict}")
+            raise ValueError(
+                f"speculative config: num_speculative_tokens {spec.num_speculative_tokens} > the MLP "
+                f"speculator's n_predict {head.config.n_predict} (it drafts one token per stage); use "
+                f"num_speculative_tokens <= {head.config.n_predict}"
+            )
         device = next(target_model.parameters()).device
         return LoadedMLPSpeculator(spec, in_fast_dtype(head.to(device), device, f"the MLP speculator {spec.model!r}"))
 
@@ -66,8 +72,15 @@ class MLPSpeculatorDrafter(Drafter):
         files = sorted(Path(spec.model).glob("*.safetensors"))
         return MemoryItems(fixed={"MLP speculator weights": sum(safetensors_bytes(f)[0] for f in files)})
 
-    def check(self, head_dir, target_config: Any = None, tokenizer: Any = None, name_or_path: str | None = None,
-              allow_mismatch: Sequence[str] = (), tensor_parallel_size: int | None = None):
+    def check(
+        self,
+        head_dir,
+        target_config: Any = None,
+        tokenizer: Any = None,
+        name_or_path: str | None = None,
+        allow_mismatch: Sequence[str] = (),
+        tensor_parallel_size: int | None = None,
+    ):
         """``export.check_mlp_speculator``; a tensor-parallel layout is refused (vLLM serves it at tp 1)."""
         if tensor_parallel_size is not None:
             raise ValueError("tensor_parallel_size: an MLP speculator is served unsharded (vLLM runs it at tp 1)")
@@ -77,8 +90,18 @@ class MLPSpeculatorDrafter(Drafter):
         """``train.MLPSpeculatorSpec`` over the recipe section (no draft vocabulary: the stages predict over V)."""
         return MLPSpeculatorSpec(section)
 
-    def export(self, module, out_dir, identity: dict, target_config, *, training: dict | None = None,
-               formats: Sequence[str] = ("draftsmith",), k: int | None = None, tokenizer=None) -> Path:
+    def export(
+        self,
+        module,
+        out_dir,
+        identity: dict,
+        target_config,
+        *,
+        training: dict | None = None,
+        formats: Sequence[str] = ("draftsmith",),
+        k: int | None = None,
+        tokenizer=None,
+    ) -> Path:
         """``export.export_mlp_speculator`` (draftsmith and vLLM in one directory)."""
         return export_mlp_speculator(module, out_dir, identity, training=training, formats=tuple(formats))
 
@@ -100,7 +123,9 @@ class MLPSpeculatorDrafter(Drafter):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             head = build_mlp_speculator(target_model, Section(n_predict=5, num_speculative_tokens=3))
-        out = export_mlp_speculator(head, Path(workdir) / self.name, target_identity(target_model, tokenizer, example_target_name(target_model)))
+        out = export_mlp_speculator(
+            head, Path(workdir) / self.name, target_identity(target_model, tokenizer, example_target_name(target_model))
+        )
         return SpeculativeConfig(self.name, str(out), 3)
 
 

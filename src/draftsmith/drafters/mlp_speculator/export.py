@@ -33,6 +33,7 @@ reads it equals the recorded head; the target's identity as ``export.check`` com
 fields, warnings); the head's emb_dim / vocab_size equal the target's hidden size / vocab (never
 overridable: such a head cannot run).
 """
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,15 @@ logger = logging.getLogger(__name__)
 HEAD_TYPE = "mlp_speculator"
 MLP_FORMATS = ("draftsmith", "vllm")
 
-__all__ = ["HEAD_TYPE", "MLP_FORMATS", "export_mlp_speculator", "check_mlp_speculator", "load_mlp_speculator",
-           "reexport_mlp_speculator", "mlp_formats"]
+__all__ = [
+    "HEAD_TYPE",
+    "MLP_FORMATS",
+    "export_mlp_speculator",
+    "check_mlp_speculator",
+    "load_mlp_speculator",
+    "reexport_mlp_speculator",
+    "mlp_formats",
+]
 
 
 def mlp_formats(formats) -> tuple[str, ...]:
@@ -76,8 +84,10 @@ def mlp_formats(formats) -> tuple[str, ...]:
         asked = (asked - {"all"}) | set(MLP_FORMATS)
     refused = sorted(asked & {"sglang", "speculators"})
     if refused:
-        raise ValueError(f"formats {refused} have no MLP speculator (SGLang and the speculators layout serve EAGLE "
-                         f"heads); an MLP speculator exports as {', '.join(MLP_FORMATS)} (one directory) or all")
+        raise ValueError(
+            f"formats {refused} have no MLP speculator (SGLang and the speculators layout serve EAGLE "
+            f"heads); an MLP speculator exports as {', '.join(MLP_FORMATS)} (one directory) or all"
+        )
     unknown = sorted(asked - set(MLP_FORMATS))
     if unknown:
         raise ValueError(f"unknown format(s) {unknown}; an MLP speculator exports as {', '.join(MLP_FORMATS)} or all")
@@ -86,16 +96,28 @@ def mlp_formats(formats) -> tuple[str, ...]:
 
 def _fits_target(hc: MLPSpeculatorConfig, hidden_size, vocab_size, where: str) -> None:
     """The stages read the target's hidden states [.., H] and predict over its V tokens."""
-    for name, head_value, target_value, field in (("emb_dim", hc.emb_dim, hidden_size, "hidden_size"),
-                                                  ("vocab_size", hc.vocab_size, vocab_size, "vocab_size")):
+    for name, head_value, target_value, field in (
+        ("emb_dim", hc.emb_dim, hidden_size, "hidden_size"),
+        ("vocab_size", hc.vocab_size, vocab_size, "vocab_size"),
+    ):
         if target_value is not None and int(head_value) != int(target_value):
-            raise HeadMismatchError(field, f"{where}: {field}: the head's {name} is {head_value}, the target's {field} "
-                                    f"is {target_value}; this head cannot run on this target (not overridable). "
-                                    f"Fix: use the target it was trained for, or train a head for this one.")
+            raise HeadMismatchError(
+                field,
+                f"{where}: {field}: the head's {name} is {head_value}, the target's {field} "
+                f"is {target_value}; this head cannot run on this target (not overridable). "
+                f"Fix: use the target it was trained for, or train a head for this one.",
+            )
 
 
-def export_mlp_speculator(head: MLPSpeculator, out_dir: str | Path, target_identity: dict,
-                          training: dict | None = None, formats=("draftsmith",), *, eval: dict | None = None) -> Path:
+def export_mlp_speculator(
+    head: MLPSpeculator,
+    out_dir: str | Path,
+    target_identity: dict,
+    training: dict | None = None,
+    formats=("draftsmith",),
+    *,
+    eval: dict | None = None,
+) -> Path:
     """Write ``head`` to ``out_dir`` as described in the module docstring; returns ``out_dir``.
 
     ``target_identity``: ``identity.target_identity`` of the target it was trained for;
@@ -115,38 +137,49 @@ def export_mlp_speculator(head: MLPSpeculator, out_dir: str | Path, target_ident
     with staged_directory(out_dir) as tmp:
         save_safetensors(sd, tmp / WEIGHTS_FILE)
         vllm_cfg = hc.vllm_config(dtype)
-        if MLPSpeculatorConfig.from_vllm_config(vllm_cfg) != hc:      # what vLLM would build
+        if MLPSpeculatorConfig.from_vllm_config(vllm_cfg) != hc:  # what vLLM would build
             raise RuntimeError(f"export: config.json would be read by vLLM as another head: {vllm_cfg}")
         write_json_atomic(tmp / "config.json", vllm_cfg)
-        meta = HeadMetadata(head_type=HEAD_TYPE, head_config=hc.to_dict(), draft_vocab_size=hc.vocab_size,
-                            target=dict(target_identity),
-                            training=dict(training or {}), eval=dict(eval or {}),
-                            weights={WEIGHTS_FILE: file_sha256(tmp / WEIGHTS_FILE)})
+        meta = HeadMetadata(
+            head_type=HEAD_TYPE,
+            head_config=hc.to_dict(),
+            draft_vocab_size=hc.vocab_size,
+            target=dict(target_identity),
+            training=dict(training or {}),
+            eval=dict(eval or {}),
+            weights={WEIGHTS_FILE: file_sha256(tmp / WEIGHTS_FILE)},
+        )
         write_metadata(tmp, meta)
-    write_model_card(out_dir, mlp_speculator_card_lines)   # after the rename: the card names the final path
+    write_model_card(out_dir, mlp_speculator_card_lines)  # after the rename: the card names the final path
     logger.info("exported MLP speculator (%d stages) to %s (%s)", hc.n_predict, out_dir, ", ".join(formats))
     return out_dir
 
 
 def _head_config(meta: HeadMetadata, where: str) -> MLPSpeculatorConfig:
     if meta.head_type != HEAD_TYPE:
-        raise HeadMismatchError("head_type", f"{where}: head_type is {meta.head_type!r}, not {HEAD_TYPE!r}. Fix: load "
-                                f"it with the loader for its type (method {meta.head_type!r}).")
+        raise HeadMismatchError(
+            "head_type",
+            f"{where}: head_type is {meta.head_type!r}, not {HEAD_TYPE!r}. Fix: load "
+            f"it with the loader for its type (method {meta.head_type!r}).",
+        )
     try:
         return MLPSpeculatorConfig.from_dict(meta.head_config)
     except (TypeError, ValueError) as e:
-        raise HeadMismatchError("head_config", f"{where}: head_config: {e}. Fix: upgrade draftsmith, or re-export "
-                                f"the head.") from None
+        raise HeadMismatchError(
+            "head_config", f"{where}: head_config: {e}. Fix: upgrade draftsmith, or re-export the head."
+        ) from None
 
 
-def _verified_state_dict(head_dir: Path, meta: HeadMetadata, hc: MLPSpeculatorConfig,
-                         where: str) -> dict[str, torch.Tensor]:
+def _verified_state_dict(
+    head_dir: Path, meta: HeadMetadata, hc: MLPSpeculatorConfig, where: str
+) -> dict[str, torch.Tensor]:
     """The weight file hashed and parsed from the same bytes, every tensor checked against the geometry;
     draftsmith.json lists that one file and no other (``check_listed_weight_files``)."""
 
     if WEIGHTS_FILE not in meta.weights:
-        raise HeadMismatchError("weights", f"{where}: weights: draftsmith.json lists no {WEIGHTS_FILE}. "
-                                "Fix: re-export.")
+        raise HeadMismatchError(
+            "weights", f"{where}: weights: draftsmith.json lists no {WEIGHTS_FILE}. Fix: re-export."
+        )
     check_listed_weight_files(head_dir, meta, (WEIGHTS_FILE,), where, "MLP speculator")
     data = weight_file_bytes(head_dir, WEIGHTS_FILE, meta.weights[WEIGHTS_FILE], where)
     at = str(head_dir / WEIGHTS_FILE)
@@ -157,12 +190,16 @@ def _verified_state_dict(head_dir: Path, meta: HeadMetadata, hc: MLPSpeculatorCo
     expected = expected_weight_shapes(hc)
     missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
     if missing or unexpected:
-        raise HeadMismatchError("weights", f"{at}: weights: missing tensor(s) {missing}, unexpected {unexpected} "
-                                f"for an MLP speculator with n_predict={hc.n_predict}. Fix: re-export the head.")
+        raise HeadMismatchError(
+            "weights",
+            f"{at}: weights: missing tensor(s) {missing}, unexpected {unexpected} "
+            f"for an MLP speculator with n_predict={hc.n_predict}. Fix: re-export the head.",
+        )
     bad = [f"{k} {tuple(sd[k].shape)} (geometry needs {s})" for k, s in expected.items() if tuple(sd[k].shape) != s]
     if bad:
-        raise HeadMismatchError("weights", f"{at}: weights: {', '.join(bad)}. Fix: re-export the head; config "
-                                f"and weights disagree.")
+        raise HeadMismatchError(
+            "weights", f"{at}: weights: {', '.join(bad)}. Fix: re-export the head; config and weights disagree."
+        )
     return sd
 
 
@@ -172,13 +209,22 @@ def _check_vllm_config(head_dir: Path, hc: MLPSpeculatorConfig, where: str) -> N
         cfg = json.loads(path.read_text(encoding="utf-8"))
         seen = MLPSpeculatorConfig.from_vllm_config(cfg)
     except (OSError, ValueError, TypeError) as e:
-        raise HeadMismatchError("config", f"{where}: config: config.json cannot be read as vLLM's MLP speculator "
-                                f"config ({e}). Fix: re-export the head with `draftsmith export`.") from None
+        raise HeadMismatchError(
+            "config",
+            f"{where}: config: config.json cannot be read as vLLM's MLP speculator "
+            f"config ({e}). Fix: re-export the head with `draftsmith export`.",
+        ) from None
     if seen != hc:
-        diff = [f"{k}: config.json {v!r} vs draftsmith.json {getattr(hc, k)!r}"
-                for k, v in seen.to_dict().items() if v != getattr(hc, k)]
-        raise HeadMismatchError("config", f"{where}: config.json as vLLM reads it disagrees with draftsmith.json: "
-                                f"{'; '.join(diff)}. Fix: re-export the head; never edit an exported config by hand.")
+        diff = [
+            f"{k}: config.json {v!r} vs draftsmith.json {getattr(hc, k)!r}"
+            for k, v in seen.to_dict().items()
+            if v != getattr(hc, k)
+        ]
+        raise HeadMismatchError(
+            "config",
+            f"{where}: config.json as vLLM reads it disagrees with draftsmith.json: "
+            f"{'; '.join(diff)}. Fix: re-export the head; never edit an exported config by hand.",
+        )
 
 
 def _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch):
@@ -191,17 +237,30 @@ def _check(head_dir, target_config, tokenizer, name_or_path, allow_mismatch):
     sd = _verified_state_dict(head_dir, meta, hc, where)
     _check_vllm_config(head_dir, hc, where)
     _fits_target(hc, meta.target.get("hidden_size"), meta.target.get("vocab_size"), where)
-    actual, overridden, warnings = check_recorded_target(meta, target_config, tokenizer, name_or_path,
-                                                         allow_mismatch, where)
+    actual, overridden, warnings = check_recorded_target(
+        meta, target_config, tokenizer, name_or_path, allow_mismatch, where
+    )
     if actual is not None:
         _fits_target(hc, actual.get("hidden_size"), actual.get("vocab_size"), where)
-    report = CheckReport(head_dir, meta, list(overridden), warnings, checked_target=actual is not None,
-                         override_values=overridden, allow_mismatch=allow_mismatch)
+    report = CheckReport(
+        head_dir,
+        meta,
+        list(overridden),
+        warnings,
+        checked_target=actual is not None,
+        override_values=overridden,
+        allow_mismatch=allow_mismatch,
+    )
     return report, sd, hc
 
 
-def check_mlp_speculator(head_dir: str | Path, target_config: Any = None, tokenizer: Any = None,
-                         name_or_path: str | None = None, allow_mismatch=()) -> CheckReport:
+def check_mlp_speculator(
+    head_dir: str | Path,
+    target_config: Any = None,
+    tokenizer: Any = None,
+    name_or_path: str | None = None,
+    allow_mismatch=(),
+) -> CheckReport:
     """Every check of the module docstring against ``target_config`` (a model, config or dict; None checks
     the head's integrity only). Raises HeadMismatchError on refusal, ValueError for an unknown
     ``allow_mismatch`` field."""
@@ -209,8 +268,9 @@ def check_mlp_speculator(head_dir: str | Path, target_config: Any = None, tokeni
     return report
 
 
-def load_mlp_speculator(head_dir: str | Path, target_model: Any = None, tokenizer: Any = None,
-                        allow_mismatch=()) -> tuple[MLPSpeculator, HeadMetadata]:
+def load_mlp_speculator(
+    head_dir: str | Path, target_model: Any = None, tokenizer: Any = None, allow_mismatch=()
+) -> tuple[MLPSpeculator, HeadMetadata]:
     """Check (as ``check_mlp_speculator``) then build the head in its exported dtype, in eval mode.
 
     Returns ``(MLPSpeculator, HeadMetadata)``; the weights loaded are the bytes that were hashed."""
@@ -218,7 +278,6 @@ def load_mlp_speculator(head_dir: str | Path, target_model: Any = None, tokenize
     head = MLPSpeculator(hc).to(sd["proj.0.weight"].dtype)
     head.load_export_state_dict(sd)
     return head.eval(), report.metadata
-
 
 
 def reexport_mlp_speculator(head_dir: str | Path, out_dir: str | Path, formats=("all",)) -> Path:
@@ -241,20 +300,33 @@ def mlp_speculator_card_lines(head_dir: Path, meta, k: int | None) -> list[str]:
     k = int(k or head.get("n_predict"))
     spec = f'{{"method": "mlp_speculator", "model": "{head_dir}", "num_speculative_tokens": {k}}}'
     return [
-        "---", "library_name: draftsmith", "tags: [speculative-decoding, mlp-speculator]",
-        f"base_model: {name}", "---", "",
-        f"# MLP speculator for `{name}`", "",
+        "---",
+        "library_name: draftsmith",
+        "tags: [speculative-decoding, mlp-speculator]",
+        f"base_model: {name}",
+        "---",
+        "",
+        f"# MLP speculator for `{name}`",
+        "",
         "An MLP speculator (Wertheimer et al. 2024, arXiv:2404.19124: stage i mixes the previous state, "
         "starting from the target's final hidden state, with the embedding of the previous token and predicts "
         "one token) made with draftsmith. `draftsmith.json` records the target's identity, the training data "
-        "and the sha256 of the weight file; `draftsmith check` refuses a mismatched target.", "",
-        "## Serve", "", "```bash", "# draftsmith (checks this head against the target before serving)",
+        "and the sha256 of the weight file; `draftsmith check` refuses a mismatched target.",
+        "",
+        "## Serve",
+        "",
+        "```bash",
+        "# draftsmith (checks this head against the target before serving)",
         f"draftsmith serve --target {name} --speculative-config '{spec}'",
         "# vLLM reads config.json (model_type mlp_speculator) in releases whose engine serves the method",
-        f"vllm serve {name} --speculative-config '{spec}'", "```", "",
-        "## Head", "",
+        f"vllm serve {name} --speculative-config '{spec}'",
+        "```",
+        "",
+        "## Head",
+        "",
         f"- target: `{name}` ({', '.join(target.get('architectures') or [])}, {target.get('num_hidden_layers')} "
         f"layers, hidden {target.get('hidden_size')}, vocab {target.get('vocab_size')})",
         f"- stages (n_predict): {head.get('n_predict')}; inner_dim {head.get('inner_dim')}; "
-        f"scale_input {str(head.get('scale_input')).lower()}; drafts at most n_predict tokens per step", "",
+        f"scale_input {str(head.get('scale_input')).lower()}; drafts at most n_predict tokens per step",
+        "",
     ]

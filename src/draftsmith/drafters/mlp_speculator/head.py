@@ -30,6 +30,7 @@ Contract used by the trainer and the runtime:
   input_state(final_hidden [.., H]) -> s0 [.., H]
   step(i, state, tokens [..]) -> (state' [.., D], logits [.., V])   (``stage`` + ``logits`` separately)
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -42,7 +43,7 @@ from torch import nn
 
 VLLM_ARCHITECTURE = "MLPSpeculatorPreTrainedModel"
 VLLM_MODEL_TYPE = "mlp_speculator"
-NORM_EPS = 1e-6          # vLLM's MLPSpeculatorLayerNorm default; not a config field there
+NORM_EPS = 1e-6  # vLLM's MLPSpeculatorLayerNorm default; not a config field there
 
 
 @dataclass
@@ -54,17 +55,17 @@ class MLPSpeculatorConfig:
             ``top_k_tokens_per_head`` whose length is not ``n_predict``.
     """
 
-    vocab_size: int                       #: V, the target's vocabulary (the stages predict over all of it)
-    emb_dim: int                          #: H, the target's hidden size (width of the stage-0 input)
-    inner_dim: int                        #: D, the stages' width (vLLM reads 0 as emb_dim; we store it resolved)
-    n_predict: int                        #: number of stages = most tokens drafted per step
+    vocab_size: int  #: V, the target's vocabulary (the stages predict over all of it)
+    emb_dim: int  #: H, the target's hidden size (width of the stage-0 input)
+    inner_dim: int  #: D, the stages' width (vLLM reads 0 as emb_dim; we store it resolved)
+    n_predict: int  #: number of stages = most tokens drafted per step
     #: vLLM 0.32 ties emb/proj[1:]/ln but not head, older vLLM ties head too: a tied export would load
     #: differently in different versions, so draftsmith refuses it.
     tie_weights: bool = False
-    scale_input: bool = False             #: RMS-normalise the stage-0 state and divide it by sqrt(2)
+    scale_input: bool = False  #: RMS-normalise the stage-0 state and divide it by sqrt(2)
     #: tree branching per stage in the paper; unused by vLLM and by draftsmith (a chain: 1 per stage)
     top_k_tokens_per_head: list[int] = field(default_factory=list)
-    n_candidates: int = 1                 #: candidate chains per sequence (unused by vLLM; draftsmith drafts 1)
+    n_candidates: int = 1  #: candidate chains per sequence (unused by vLLM; draftsmith drafts 1)
 
     def __post_init__(self):
         for name in ("vocab_size", "emb_dim", "inner_dim", "n_predict", "n_candidates"):
@@ -72,25 +73,35 @@ class MLPSpeculatorConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"MLPSpeculatorConfig.{name} must be an integer >= 1, got {value!r}")
         if self.tie_weights:
-            raise ValueError("MLPSpeculatorConfig.tie_weights=True is not supported: vLLM versions disagree on "
-                             "which stage weights a tied checkpoint shares (0.32 keeps one head per stage, older "
-                             "ones share it); train untied stages (tie_weights: false)")
+            raise ValueError(
+                "MLPSpeculatorConfig.tie_weights=True is not supported: vLLM versions disagree on "
+                "which stage weights a tied checkpoint shares (0.32 keeps one head per stage, older "
+                "ones share it); train untied stages (tie_weights: false)"
+            )
         if not self.top_k_tokens_per_head:
             self.top_k_tokens_per_head = [1] * self.n_predict
         self.top_k_tokens_per_head = [int(k) for k in self.top_k_tokens_per_head]
         if len(self.top_k_tokens_per_head) != self.n_predict:
-            raise ValueError(f"top_k_tokens_per_head {self.top_k_tokens_per_head} must hold n_predict "
-                             f"({self.n_predict}) entries, as vLLM's MLPSpeculatorConfig asserts")
+            raise ValueError(
+                f"top_k_tokens_per_head {self.top_k_tokens_per_head} must hold n_predict "
+                f"({self.n_predict}) entries, as vLLM's MLPSpeculatorConfig asserts"
+            )
 
     @classmethod
-    def from_target(cls, target_config, n_predict: int, inner_dim: int | None = None,
-                    scale_input: bool = False) -> "MLPSpeculatorConfig":
+    def from_target(
+        cls, target_config, n_predict: int, inner_dim: int | None = None, scale_input: bool = False
+    ) -> "MLPSpeculatorConfig":
         """Stages sized for a transformers target config (any causal LM with ``hidden_size``, ``vocab_size``).
 
         ``inner_dim`` None (or 0, vLLM's spelling) means the target's hidden size."""
         c = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        return cls(vocab_size=int(c.vocab_size), emb_dim=int(c.hidden_size), inner_dim=int(inner_dim or c.hidden_size),
-                   n_predict=int(n_predict), scale_input=bool(scale_input))
+        return cls(
+            vocab_size=int(c.vocab_size),
+            emb_dim=int(c.hidden_size),
+            inner_dim=int(inner_dim or c.hidden_size),
+            n_predict=int(n_predict),
+            scale_input=bool(scale_input),
+        )
 
     def to_dict(self) -> dict:
         """Plain data (what draftsmith.json ``head_config`` holds)."""
@@ -107,11 +118,19 @@ class MLPSpeculatorConfig:
 
     def vllm_config(self, dtype: str = "float32") -> dict:
         """The ``config.json`` vLLM builds ``MLPSpeculator`` from (its ``model_type`` selects the method)."""
-        return {"architectures": [VLLM_ARCHITECTURE], "model_type": VLLM_MODEL_TYPE,
-                "vocab_size": self.vocab_size, "emb_dim": self.emb_dim, "inner_dim": self.inner_dim,
-                "n_predict": self.n_predict, "top_k_tokens_per_head": list(self.top_k_tokens_per_head),
-                "n_candidates": self.n_candidates, "tie_weights": self.tie_weights,
-                "scale_input": self.scale_input, "torch_dtype": dtype}
+        return {
+            "architectures": [VLLM_ARCHITECTURE],
+            "model_type": VLLM_MODEL_TYPE,
+            "vocab_size": self.vocab_size,
+            "emb_dim": self.emb_dim,
+            "inner_dim": self.inner_dim,
+            "n_predict": self.n_predict,
+            "top_k_tokens_per_head": list(self.top_k_tokens_per_head),
+            "n_candidates": self.n_candidates,
+            "tie_weights": self.tie_weights,
+            "scale_input": self.scale_input,
+            "torch_dtype": dtype,
+        }
 
     @classmethod
     def from_vllm_config(cls, cfg: dict) -> "MLPSpeculatorConfig":
@@ -123,11 +142,16 @@ class MLPSpeculatorConfig:
             raise ValueError(f"config model_type is {cfg.get('model_type')!r}, not {VLLM_MODEL_TYPE!r}")
         emb_dim = int(cfg.get("emb_dim", 4096))
         n_predict = int(cfg.get("n_predict", 3))
-        return cls(vocab_size=int(cfg.get("vocab_size", 32000)), emb_dim=emb_dim,
-                   inner_dim=int(cfg.get("inner_dim", 0)) or emb_dim, n_predict=n_predict,
-                   tie_weights=bool(cfg.get("tie_weights", False)), scale_input=bool(cfg.get("scale_input", False)),
-                   top_k_tokens_per_head=list(cfg.get("top_k_tokens_per_head") or [5, 4, 3]),
-                   n_candidates=int(cfg.get("n_candidates", 5)))
+        return cls(
+            vocab_size=int(cfg.get("vocab_size", 32000)),
+            emb_dim=emb_dim,
+            inner_dim=int(cfg.get("inner_dim", 0)) or emb_dim,
+            n_predict=n_predict,
+            tie_weights=bool(cfg.get("tie_weights", False)),
+            scale_input=bool(cfg.get("scale_input", False)),
+            top_k_tokens_per_head=list(cfg.get("top_k_tokens_per_head") or [5, 4, 3]),
+            n_candidates=int(cfg.get("n_candidates", 5)),
+        )
 
 
 def expected_weight_shapes(config: MLPSpeculatorConfig) -> dict[str, tuple[int, ...]]:
@@ -174,12 +198,13 @@ class MLPSpeculator(nn.Module):
         super().__init__()
         c = self.config = config
         self.emb = nn.ModuleList([nn.Embedding(c.vocab_size, c.inner_dim) for _ in range(c.n_predict)])
-        self.proj = nn.ModuleList([nn.Linear(c.emb_dim if i == 0 else c.inner_dim, c.inner_dim, bias=False)
-                                   for i in range(c.n_predict)])
+        self.proj = nn.ModuleList(
+            [nn.Linear(c.emb_dim if i == 0 else c.inner_dim, c.inner_dim, bias=False) for i in range(c.n_predict)]
+        )
         self.ln = nn.ModuleList([StageNorm(c.inner_dim) for _ in range(c.n_predict)])
         self.head = nn.ModuleList([nn.Linear(c.inner_dim, c.vocab_size, bias=False) for _ in range(c.n_predict)])
         self.state_weight = 0.5 ** (0.5 / c.n_predict)
-        self.emb_weight = math.sqrt((1 - self.state_weight ** 2) * (c.inner_dim / 2))
+        self.emb_weight = math.sqrt((1 - self.state_weight**2) * (c.inner_dim / 2))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -199,9 +224,11 @@ class MLPSpeculator(nn.Module):
         c = self.config
         inp, out = target.get_input_embeddings().weight, target.get_output_embeddings().weight
         if c.inner_dim != inp.shape[1] or tuple(out.shape) != (c.vocab_size, c.inner_dim):
-            raise ValueError(f"init_from_target needs inner_dim == the target's hidden size {inp.shape[1]} and the "
-                             f"target's vocab {c.vocab_size}; got inner_dim {c.inner_dim}, output embedding "
-                             f"{tuple(out.shape)}. Set init_from_target: false or inner_dim to the hidden size")
+            raise ValueError(
+                f"init_from_target needs inner_dim == the target's hidden size {inp.shape[1]} and the "
+                f"target's vocab {c.vocab_size}; got inner_dim {c.inner_dim}, output embedding "
+                f"{tuple(out.shape)}. Set init_from_target: false or inner_dim to the hidden size"
+            )
         for i in range(c.n_predict):
             self.emb[i].weight.copy_(inp.to(self.emb[i].weight.dtype))
             self.head[i].weight.copy_(out.to(self.head[i].weight.dtype))
@@ -222,8 +249,8 @@ class MLPSpeculator(nn.Module):
         Raises IndexError when i >= n_predict (the head has no such stage)."""
         if not 0 <= i < self.config.n_predict:
             raise IndexError(f"stage {i} does not exist: this MLP speculator has n_predict={self.config.n_predict}")
-        z = self.emb[i](tokens)                                                     # [.., D]
-        s = self.proj[i](state) + z * (self.emb_weight / self.state_weight)         # [.., D]
+        z = self.emb[i](tokens)  # [.., D]
+        s = self.proj[i](state) + z * (self.emb_weight / self.state_weight)  # [.., D]
         return F.gelu(self.ln[i](s))
 
     def logits(self, i: int, state: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ has no stage to draft token n_predict + 1 with. Greedy drafts (temperature 0) ar
 with temperature > 0 each draft is sampled from q = logits_to_probs(stage logits) and q is returned,
 as rejection sampling requires. Batch size 1.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,15 @@ class MLPSpeculatorProposer(Proposer):
 
     needs_final_hidden = True
 
-    def __init__(self, head: MLPSpeculator, *, temperature: float = 0.0, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None):
+    def __init__(
+        self,
+        head: MLPSpeculator,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+    ):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.head = head.eval()
@@ -53,14 +61,16 @@ class MLPSpeculatorProposer(Proposer):
             self.generator.manual_seed(seed)
         else:
             self.generator.seed()
-        self.state: torch.Tensor | None = None      # [1, H] stage-0 state (final hidden of the last verified row)
-        self.last_token: int | None = None          # the target's token after that row
+        self.state: torch.Tensor | None = None  # [1, H] stage-0 state (final hidden of the last verified row)
+        self.last_token: int | None = None  # the target's token after that row
 
     def _root(self, final_hidden: torch.Tensor | None, row: int, token: int) -> None:
         if final_hidden is None:
-            raise ValueError("MLPSpeculatorProposer needs target_step.final_hidden: run the target forward with "
-                             "final_hidden=True (generate_speculative does when proposer.needs_final_hidden)")
-        self.state = self.head.input_state(final_hidden[row].to(self.device))[None]    # [1, H]
+            raise ValueError(
+                "MLPSpeculatorProposer needs target_step.final_hidden: run the target forward with "
+                "final_hidden=True (generate_speculative does when proposer.needs_final_hidden)"
+            )
+        self.state = self.head.input_state(final_hidden[row].to(self.device))[None]  # [1, H]
         self.last_token = int(token)
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, target_step) -> None:
@@ -71,7 +81,7 @@ class MLPSpeculatorProposer(Proposer):
         """One draft from stage logits [V]: (token id, q [V] or None when greedy)."""
         if self.temperature == 0:
             return int(logits.argmax()), None
-        q = logits_to_probs(logits.float(), self.temperature, self.top_k, self.top_p)    # [V]
+        q = logits_to_probs(logits.float(), self.temperature, self.top_k, self.top_p)  # [V]
         return int(sample(q, self.generator)), q
 
     @torch.inference_mode()
@@ -79,8 +89,10 @@ class MLPSpeculatorProposer(Proposer):
         """Draft ``k`` <= n_predict tokens: stage i reads stage i-1's state and draft."""
         n_predict = self.head.config.n_predict
         if k > n_predict:
-            raise ValueError(f"k={k} drafts asked of an MLP speculator with n_predict={n_predict} stages; use "
-                             f"num_speculative_tokens <= {n_predict} or train a head with n_predict >= {k}")
+            raise ValueError(
+                f"k={k} drafts asked of an MLP speculator with n_predict={n_predict} stages; use "
+                f"num_speculative_tokens <= {n_predict} or train a head with n_predict >= {k}"
+            )
         if k <= 0:
             return Proposal.empty()
         if self.state is None:
@@ -88,7 +100,7 @@ class MLPSpeculatorProposer(Proposer):
         state, token = self.state, self.last_token
         tokens, qs = [], []
         for i in range(k):
-            state, logits = self.head.step(i, state, torch.tensor([token], device=self.device))   # [1, D], [1, V]
+            state, logits = self.head.step(i, state, torch.tensor([token], device=self.device))  # [1, D], [1, V]
             token, q = self._draw(logits[0])
             tokens.append(token)
             qs.append(q)

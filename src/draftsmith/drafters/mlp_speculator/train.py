@@ -27,6 +27,7 @@ distributions (as ``train/ttt.py`` distils EAGLE-3), so one teacher-forced phase
 sum_i decay^i * weighted mean soft-CE(q_i, p_i); accuracy of stage i: argmax q_i == argmax p_i on
 assistant rows.
 """
+
 from __future__ import annotations
 
 import logging
@@ -53,10 +54,17 @@ class StageLossOutput:
     stage_count: list[int]
 
 
-def mlp_speculator_loss(head: MLPSpeculator, final_hidden: torch.Tensor, input_ids: torch.Tensor,
-                        target_logits: torch.Tensor, loss_mask: torch.Tensor,
-                        attention_mask: torch.Tensor | None = None, stages: int | None = None, stage_decay: float = 1.0,
-                        prompt_loss_weight: float = 0.0) -> StageLossOutput:
+def mlp_speculator_loss(
+    head: MLPSpeculator,
+    final_hidden: torch.Tensor,
+    input_ids: torch.Tensor,
+    target_logits: torch.Tensor,
+    loss_mask: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    stages: int | None = None,
+    stage_decay: float = 1.0,
+    prompt_loss_weight: float = 0.0,
+) -> StageLossOutput:
     """Teacher-forced loss of every stage (alignment in the module docstring).
 
     Args:
@@ -72,30 +80,32 @@ def mlp_speculator_loss(head: MLPSpeculator, final_hidden: torch.Tensor, input_i
         ValueError: ``prompt_loss_weight`` outside [0, 1] or > 0 without ``attention_mask``; stages outside
             1..n_predict; mismatched shapes.
     """
-    predicts_supervised, row_weight = row_weights(loss_mask, attention_mask, prompt_loss_weight)   # [B, T]
+    predicts_supervised, row_weight = row_weights(loss_mask, attention_mask, prompt_loss_weight)  # [B, T]
     n = stages or head.config.n_predict
     if not 1 <= n <= head.config.n_predict:
         raise ValueError(f"stages must be in 1..n_predict ({head.config.n_predict}), got {n}")
     b, t = input_ids.shape
     if final_hidden.shape[:2] != (b, t) or target_logits.shape[:2] != (b, t) or loss_mask.shape != (b, t):
-        raise ValueError(f"shapes disagree: input_ids {tuple(input_ids.shape)}, final_hidden "
-                         f"{tuple(final_hidden.shape)}, target_logits {tuple(target_logits.shape)}, loss_mask "
-                         f"{tuple(loss_mask.shape)}; all must be [B, T, ...] of the same batch")
-    state = head.input_state(final_hidden)                                             # [B, T, H]
+        raise ValueError(
+            f"shapes disagree: input_ids {tuple(input_ids.shape)}, final_hidden "
+            f"{tuple(final_hidden.shape)}, target_logits {tuple(target_logits.shape)}, loss_mask "
+            f"{tuple(loss_mask.shape)}; all must be [B, T, ...] of the same batch"
+        )
+    state = head.input_state(final_hidden)  # [B, T, H]
     total = state.new_zeros((), dtype=torch.float32)
     stage_loss, stage_acc, stage_count = [], [], []
     for i in range(n):
-        state = head.stage(i, state, shift_left(input_ids, 1 + i, 0))                  # token x_{t+1+i}; [B, T, D]
-        weight = shift_left(row_weight, 1 + i, 0.0)                                    # row_weight[t+1+i]: x_{t+2+i}
-        rows = (weight > 0).nonzero(as_tuple=True)                                     # (b [m], t [m]); t+1+i < T
-        label_rows = (rows[0], rows[1] + 1 + i)                                        # target row t+1+i
-        w = weight[rows]                                                               # [m]
-        logits = head.logits(i, state[rows])                                          # [m, V], scored rows only
-        p = torch.softmax(target_logits[label_rows].float(), dim=-1)                   # [m, V]
+        state = head.stage(i, state, shift_left(input_ids, 1 + i, 0))  # token x_{t+1+i}; [B, T, D]
+        weight = shift_left(row_weight, 1 + i, 0.0)  # row_weight[t+1+i]: x_{t+2+i}
+        rows = (weight > 0).nonzero(as_tuple=True)  # (b [m], t [m]); t+1+i < T
+        label_rows = (rows[0], rows[1] + 1 + i)  # target row t+1+i
+        w = weight[rows]  # [m]
+        logits = head.logits(i, state[rows])  # [m, V], scored rows only
+        p = torch.softmax(target_logits[label_rows].float(), dim=-1)  # [m, V]
         loss_i = (soft_cross_entropy(logits, p) * w).sum() / w.sum().clamp_min(1e-6)
-        total = total + (stage_decay ** i) * loss_i
+        total = total + (stage_decay**i) * loss_i
         with torch.no_grad():
-            supervised = predicts_supervised[label_rows]                               # [m] assistant rows
+            supervised = predicts_supervised[label_rows]  # [m] assistant rows
             hits = (logits.argmax(-1) == target_logits[label_rows].argmax(-1)) & supervised
             count = int(supervised.sum())
         stage_loss.append(float(loss_i.detach()))
@@ -117,8 +127,16 @@ class MLPSpeculatorObjective(torch.nn.Module):
 
     def forward(self, input_ids, attention_mask, loss_mask, final_hidden, target_logits):
         """``mlp_speculator_loss`` of one micro-batch (shapes in the class docstring)."""
-        out = mlp_speculator_loss(self.head, final_hidden, input_ids, target_logits, loss_mask, attention_mask,
-                                  stage_decay=self.stage_decay, prompt_loss_weight=self.prompt_loss_weight)
+        out = mlp_speculator_loss(
+            self.head,
+            final_hidden,
+            input_ids,
+            target_logits,
+            loss_mask,
+            attention_mask,
+            stage_decay=self.stage_decay,
+            prompt_loss_weight=self.prompt_loss_weight,
+        )
         stats = torch.tensor([out.stage_loss, out.stage_acc, out.stage_count], dtype=torch.float64)
         return out.loss, stats
 
@@ -126,8 +144,9 @@ class MLPSpeculatorObjective(torch.nn.Module):
 def build_mlp_speculator(target, cfg: Section, warm_start: bool | None = None) -> MLPSpeculator:
     """An ``MLPSpeculator`` sized for ``target`` (fp32); warm-started from the target's embeddings when
     ``cfg.init_from_target`` (or ``warm_start``) says so."""
-    config = MLPSpeculatorConfig.from_target(target.config, n_predict=cfg.n_predict, inner_dim=cfg.inner_dim,
-                                             scale_input=cfg.scale_input)
+    config = MLPSpeculatorConfig.from_target(
+        target.config, n_predict=cfg.n_predict, inner_dim=cfg.inner_dim, scale_input=cfg.scale_input
+    )
     head = MLPSpeculator(config)
     if cfg.init_from_target if warm_start is None else warm_start:
         head.init_from_target(target)

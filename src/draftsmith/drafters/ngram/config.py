@@ -6,6 +6,7 @@ vLLM's keys and meaning (``vllm/config/speculative.py``): ``prompt_lookup_min`` 
 the suffix n-gram looked up. vLLM's defaults are min = max = 5 when neither is set; draftsmith's are min 1,
 max max(5, min): a short match still drafts (``proposer.py``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -28,9 +29,10 @@ def fill_lookup_bounds(options: dict) -> dict:
     return {**options, "prompt_lookup_min": lo, "prompt_lookup_max": hi}
 
 
-LEGACY_IN_DEFAULT_EVAL = True   #: one of 0.1's default eval.methods (pipeline.recipe migration)
-RULES = SpeculativeRules(needs_model=False, options={"prompt_lookup_min": None, "prompt_lookup_max": None},
-                         fill=fill_lookup_bounds)
+LEGACY_IN_DEFAULT_EVAL = True  #: one of 0.1's default eval.methods (pipeline.recipe migration)
+RULES = SpeculativeRules(
+    needs_model=False, options={"prompt_lookup_min": None, "prompt_lookup_max": None}, fill=fill_lookup_bounds
+)
 
 
 @dataclass
@@ -38,21 +40,25 @@ class Section(DrafterSection):
     """N-gram lookup as a recipe's drafter (nothing to train; eval and bench serve it)."""
 
     method: str = "ngram"
-    prompt_lookup_min: int | None = None     #: shortest suffix n-gram looked up (None: 1)
-    prompt_lookup_max: int | None = None     #: longest suffix n-gram looked up (None: max(5, min))
+    prompt_lookup_min: int | None = None  #: shortest suffix n-gram looked up (None: 1)
+    prompt_lookup_max: int | None = None  #: longest suffix n-gram looked up (None: max(5, min))
 
     def __post_init__(self):
         super().__post_init__()
-        bounds = fill_lookup_bounds({"prompt_lookup_min": self.prompt_lookup_min,
-                                     "prompt_lookup_max": self.prompt_lookup_max})
+        bounds = fill_lookup_bounds(
+            {"prompt_lookup_min": self.prompt_lookup_min, "prompt_lookup_max": self.prompt_lookup_max}
+        )
         self.prompt_lookup_min, self.prompt_lookup_max = bounds["prompt_lookup_min"], bounds["prompt_lookup_max"]
 
 
-LEGACY_EVAL_KEYS = ("prompt_lookup_min", "prompt_lookup_max")   #: 0.1's eval keys of this row (pipeline.recipe)
+LEGACY_EVAL_KEYS = ("prompt_lookup_min", "prompt_lookup_max")  #: 0.1's eval keys of this row (pipeline.recipe)
 
 
 def legacy_eval_row(old_eval: dict) -> dict:
     """The comparison row 0.1's ``eval.methods: [ngram]`` meant, with its ``eval.prompt_lookup_min/max`` (0.1's
     defaults: 2 and 5)."""
-    return {"method": "ngram", "prompt_lookup_min": old_eval.get("prompt_lookup_min", 2),
-            "prompt_lookup_max": old_eval.get("prompt_lookup_max", 5)}
+    return {
+        "method": "ngram",
+        "prompt_lookup_min": old_eval.get("prompt_lookup_min", 2),
+        "prompt_lookup_max": old_eval.get("prompt_lookup_max", 5),
+    }

@@ -1,5 +1,6 @@
 """N-gram prompt lookup (Saxena 2023) as a ``Drafter``: nothing to train, export or check; ``proposer.py`` holds
 the lookup, with vLLM's ``ngram`` semantics."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -29,12 +30,13 @@ class NgramDrafter(Drafter):
     summary = "n-gram prompt lookup (Saxena 2023; vLLM's ngram): nothing to train"
     trainable = False
     formats = ()
-    opt_outs = {"export": "n-gram lookup has no weights to export, reload or check against a target",
-                "refusal": "n-gram lookup records no target, so there is no other target to refuse",
-                "train": "n-gram lookup has nothing to train"}
+    opt_outs = {
+        "export": "n-gram lookup has no weights to export, reload or check against a target",
+        "refusal": "n-gram lookup records no target, so there is no other target to refuse",
+        "train": "n-gram lookup has nothing to train",
+    }
 
-    def load(self, spec: SpeculativeConfig, target_model, tokenizer, allow_mismatch: Sequence[str] = ()
-             ) -> LoadedNgram:
+    def load(self, spec: SpeculativeConfig, target_model, tokenizer, allow_mismatch: Sequence[str] = ()) -> LoadedNgram:
         """Nothing to load: the lookup bounds of ``spec.options``."""
         return LoadedNgram(spec)
 

@@ -9,6 +9,7 @@ Semantics read from vLLM ``vllm/v1/spec_decode/ngram_proposer.py``
 position; the earlier occurrence may overlap the suffix). vLLM's defaults are min = max = 5 when
 neither is set; ours are min 1, max 5.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,12 +30,12 @@ def find_ngram_continuation(context: torch.Tensor, k: int, min_n: int, max_n: in
     for n in range(min(max_n, length - 1), min_n - 1, -1):
         if k <= 0 or n <= 0:
             break
-        suffix = context[length - n:]
-        windows = context[: length - 1].unfold(0, n, 1)          # [L-n, n]: every n-gram ending before L-1
+        suffix = context[length - n :]
+        windows = context[: length - 1].unfold(0, n, 1)  # [L-n, n]: every n-gram ending before L-1
         hits = (windows == suffix).all(dim=1).nonzero()
         if hits.numel():
-            start = int(hits[0]) + n                              # earliest occurrence
-            return context[start:start + k].clone()
+            start = int(hits[0]) + n  # earliest occurrence
+            return context[start : start + k].clone()
     return context.new_empty(0)
 
 
@@ -49,7 +50,7 @@ class NgramIndex:
     def __init__(self, min_n: int, max_n: int):
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
-        self.first: dict[tuple[int, ...], int] = {}      # n-gram -> its earliest start
+        self.first: dict[tuple[int, ...], int] = {}  # n-gram -> its earliest start
 
     def append(self, tokens) -> None:
         """Add ``tokens`` (ints) at the end, registering every n-gram they complete."""
@@ -57,7 +58,7 @@ class NgramIndex:
             self.tokens.append(int(t))
             end = len(self.tokens)
             for n in range(self.min_n, min(self.max_n, end) + 1):
-                self.first.setdefault(tuple(self.tokens[end - n:]), end - n)
+                self.first.setdefault(tuple(self.tokens[end - n :]), end - n)
 
     def continuation(self, k: int) -> list[int]:
         """Up to ``k`` tokens after the earliest earlier occurrence of the longest repeated suffix n-gram."""
@@ -65,9 +66,9 @@ class NgramIndex:
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
             if k <= 0 or n <= 0:
                 break
-            start = self.first.get(tuple(self.tokens[length - n:]))
-            if start is not None and start < length - n:        # an occurrence other than the suffix itself
-                return self.tokens[start + n:start + n + k]
+            start = self.first.get(tuple(self.tokens[length - n :]))
+            if start is not None and start < length - n:  # an occurrence other than the suffix itself
+                return self.tokens[start + n : start + n + k]
         return []
 
 
@@ -85,8 +86,9 @@ class NgramProposer(Proposer):
 
     def __init__(self, prompt_lookup_min: int = 1, prompt_lookup_max: int = 5):
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
-            raise ValueError(f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max "
-                             f"({prompt_lookup_max})")
+            raise ValueError(
+                f"need 1 <= prompt_lookup_min ({prompt_lookup_min}) <= prompt_lookup_max ({prompt_lookup_max})"
+            )
         self.prompt_lookup_min = prompt_lookup_min
         self.prompt_lookup_max = prompt_lookup_max
         self.index = NgramIndex(prompt_lookup_min, prompt_lookup_max)
