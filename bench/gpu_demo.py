@@ -16,7 +16,7 @@ Stages, each through draftsmith's own API, on ``recipes/reference/eagle3.yaml`` 
      ``train.mixed_precision=bf16`` and online capture (the target runs inside every step: on a GPU that
      is cheaper than writing and re-reading the ~2.7 GB of shards offline mode makes); a checkpoint every
      ``--ckpt-every`` steps, so a cut keeps the last one and ``pipeline.export_run`` exports it;
-  5. check (``export.check.check_head``);
+  5. check (``drafters.directory.check_export``: the drafter of the head checks it);
   6. eval: one discarded warm-up prompt per method (CUDA start-up costs stay out of the timings), then
      ``evaluation.heldout.evaluate`` task by task with ``pipeline.stages.build_eval_rows`` (eagle3, ngram, draft_model;
      the recipe's k, prompts per task and new tokens);
@@ -225,7 +225,7 @@ def environment(device: str) -> dict:
 
 
 def check_kv_cache(target, tokenizer) -> str:
-    """The runtime's KV cache fills (``inference.cache``: ``cache=`` is read by transformers >= 5.24 only;
+    """The runtime's KV cache fills (``core.cache``: ``cache=`` is read by transformers >= 5.24 only;
     older versions put it in **kwargs and decode without a cache). Returns a note; AssertionError if not."""
     import torch
     import transformers
@@ -357,7 +357,7 @@ def train_summary(run_dir: Path, head_dir: Path | None, max_steps: int) -> dict:
 
 
 def run_eval_by_task(run: Run, recipe, target, tokenizer, head_dir: Path | None, rec: dict) -> None:
-    """Warm-up, then ``evaluate`` one task at a time into ``run.result["eval"]`` (``inference.eval`` report
+    """Warm-up, then ``evaluate`` one task at a time into ``run.result["eval"]`` (``evaluation.heldout`` report
     layout), so that a cut keeps the finished tasks; a task that would not end before the eval deadline
     (at the pace of the previous one) is left out, with the ones after it."""
     from draftsmith import reference
@@ -559,7 +559,7 @@ def _serve_stack():
 
 def format_summary(res: dict) -> str:
     """The closing text: a header naming the device and the run's settings, the eval table
-    (``inference.eval.format_table``), the stage timings and the cuts. ``res``: the run's result record."""
+    (``evaluation.heldout.format_table``), the stage timings and the cuts. ``res``: the run's result record."""
     dev, ver, st = res.get("device", {}), res.get("versions", {}), res.get("settings", {})
     name = dev.get("name", "unknown device")
     if dev.get("type") == "cuda":

@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 torch.set_num_threads(1)
+# subprocesses the tests start (accelerate launch, the CLI) import this checkout's package, as pytest does
+# (pyproject.toml pythonpath), whatever draftsmith the interpreter has installed
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+os.environ["PYTHONPATH"] = os.pathsep.join([SRC, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 def make_tiny_llama(

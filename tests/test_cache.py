@@ -1,4 +1,4 @@
-"""KV-cache rollback (``inference/cache.py``) and the cached target forward (``inference/target.py``)."""
+"""KV-cache rollback (``core/cache.py``) and the cached target forward (``core/target.py``)."""
 
 from __future__ import annotations
 

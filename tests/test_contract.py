@@ -50,6 +50,14 @@ def test_opt_outs_name_contracts():
         assert drafter.trainable == (drafter.example_section() is not None) or "train" in drafter.opt_outs
 
 
+def test_cli_lists_every_registered_drafter(capsys):
+    from draftsmith.cli import main
+
+    assert main(["drafters"]) == 0
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
+    assert listed == list(NAMES)
+
+
 # --------------------------------------------------------------------------------------------- targets
 
 
@@ -130,7 +138,8 @@ def stub(tmp_path_factory):
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
 def test_sampling_is_lossless(stub, name, temperature):
     """Every adjacent pair (t_i, t_i+1) matches the exact law and plain sampling (p > 1e-3), with drafts made,
-    some accepted, some rejected, and whole chains accepted (the bonus token)."""
+    some accepted and some rejected (whole accepted chains, the bonus token's path, are required of the
+    hand-built draft in ``test_lossless_sampling``: an untrained drafter need not make them)."""
     import lossless
 
     honour_opt_out(name, "lossless")
@@ -143,7 +152,6 @@ def test_sampling_is_lossless(stub, name, temperature):
     )
     lossless.check_counters(stats)
     assert stats.num_drafts >= lossless.TRIALS and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
-    assert stats.accepted_per_pos[lossless.K - 1] > 0
     lossless.check_lossless(seqs, plain[temperature], settings)
 
 

@@ -283,7 +283,7 @@ def test_gpu_demo_runs_for_real(tmp_path, gpu_opted_in):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_head_warm_starts_from_a_target_on_the_device():
     """The trainer moves the target to the device, then builds the head on the CPU and warm-starts it
-    (train/trainer.py, heads/eagle3.py ``init_from_target``): that must work across devices."""
+    (train/trainer.py, drafters/eagle3/head.py ``init_from_target``): that must work across devices."""
     from draftsmith.models import load_causal_lm
 
     target, tokenizer = load_causal_lm("reference")

@@ -1,6 +1,6 @@
 """Regeneration: the three engines agree, a killed run resumes from its journal, the server path over loopback.
 
-The server tests run draftsmith's own server (``inference/server.py``) or a FastAPI stub with uvicorn
+The server tests run draftsmith's own server (``serve/server.py``) or a FastAPI stub with uvicorn
 on 127.0.0.1 (an OS-chosen port) in a thread; nothing leaves the machine.
 """
 

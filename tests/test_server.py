@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from draftsmith.core.generate import GenerationConfig, generate_plain
-from draftsmith.core.stops import TextStream
+from draftsmith.core.stops import StopStringFound, TextStream
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.serve.engine import Engine, RequestCancelled, RequestError
 from draftsmith.serve.server import create_app
@@ -255,7 +255,7 @@ def test_text_stream_holds_back_stop_prefixes():
     stream.add([ord("y"), ord("b")])
     assert sent == ["a", "xyb"]
     stream.add([ord("x"), ord("y")])
-    with pytest.raises(Exception):
+    with pytest.raises(StopStringFound):
         stream.add([ord("z"), ord("c")])
     assert "".join(sent) == "axyb" and stream.text == "axyb" and len(stream.tokens) == 7
 

@@ -86,7 +86,7 @@ def dtype(text: str) -> str:
 
 def json_object(text: str) -> dict:
     """An argparse type: a JSON object (``--speculative-config``), parsed. Its keys are checked later by
-    ``inference.engine.SpeculativeConfig``."""
+    ``drafters.speculative.SpeculativeConfig``."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:

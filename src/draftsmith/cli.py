@@ -1,6 +1,7 @@
 """``draftsmith <verb>``: the command line over the pipeline stages.
 
     draftsmith demo                                   # the main job on the reference target
+    draftsmith drafters                               # the registered drafters
     draftsmith prepare RECIPE [key=value ...]         # conversations + vocab map -> runs/NAME/data
     draftsmith capture RECIPE [key=value ...]         # offline hidden-state shards -> runs/NAME/capture
     draftsmith train RECIPE [key=value ...]           # prepare, train, export the drafter -> runs/NAME/head
@@ -35,7 +36,13 @@ from pathlib import Path
 
 from draftsmith import arguments as arg
 from draftsmith import drafters
+from draftsmith.config import from_dict, read_config_data
+from draftsmith.drafters.speculative import check_speculative_models
+from draftsmith.evaluation.bench_config import build_parser as bench_parser
+from draftsmith.evaluation.bench_config import check_config, config_from_args
+from draftsmith.pipeline.recipe import Recipe
 from draftsmith.reference import TASK_NAMES
+from draftsmith.sources import ModelSourceError, check_head_dir, check_model_source, is_head_dir
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 DEFAULT_RECIPE = PACKAGE_DIR / "recipes" / "reference" / "eagle3.yaml"
@@ -55,8 +62,6 @@ def _recipe(args, check: bool = True):
     """The verb's recipe: ``args.recipe_data`` (read and overridden by ``check_args``, torch-free) as a typed
     ``Recipe``; the models it names are checked (``check_recipe_models``) before anything is loaded, unless
     ``check`` is False (the caller changes the recipe first, then checks)."""
-    from draftsmith.config import from_dict
-    from draftsmith.pipeline.recipe import Recipe
 
     recipe = from_dict(Recipe, args.recipe_data)
     if check:
@@ -72,8 +77,6 @@ def check_recipe_models(recipe, verb: str) -> None:
     Raises:
         ModelSourceError: a model that is not there, naming the recipe key. ValueError: an unknown dtype name.
     """
-    from draftsmith.drafters.speculative import check_speculative_models
-    from draftsmith.sources import check_model_source
 
     if recipe.target.dtype not in arg.DTYPE_NAMES:
         raise ValueError(
@@ -123,6 +126,15 @@ def cmd_export(args) -> int:
     from draftsmith.pipeline.stages import export_run
 
     print(f"head exported to {export_run(Path(args.run_dir), Path(args.out), args.format)}")
+    return 0
+
+
+def cmd_drafters(args) -> int:
+    """``draftsmith drafters``: the registry, one line per drafter (name, trainable, export formats, summary)."""
+    for drafter in drafters.all_drafters():
+        trains = "trains" if drafter.trainable else "no training"
+        formats = ", ".join(drafter.formats) or "no export"
+        print(f"{drafter.name:<16}{trains:<13}{formats:<38}{drafter.summary}")
     return 0
 
 
@@ -223,7 +235,6 @@ def cmd_serve(args) -> int:
 
 def cmd_bench(args) -> int:
     from draftsmith.evaluation.bench import format_table, run_bench, write_report
-    from draftsmith.evaluation.bench_config import config_from_args
 
     cfg = config_from_args(args)
     report = run_bench(cfg)
@@ -280,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
         "research config.json at DIR) and speculators (DIR/speculators, for `vllm serve`)",
     )
     p.set_defaults(fn=cmd_export)
+    p = _verb(sub, "drafters", "list the registered drafters (recipe drafter.method, --speculative-config method)")
+    p.set_defaults(fn=cmd_drafters)
     p = _verb(sub, "check", "check a head against a target; exit 1 on mismatch")
     p.add_argument("head")
     p.add_argument("--target", default="reference")
@@ -376,7 +389,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="longest prompt + completion served (default: the target's max_position_embeddings)",
     )
     p.set_defaults(fn=cmd_serve)
-    from draftsmith.evaluation.bench_config import build_parser as bench_parser
 
     p = _verb(sub, "bench", "serving benchmark with vs without speculation (table, JSON, PNG)")
     bench_parser(p).set_defaults(fn=cmd_bench)
@@ -389,7 +401,6 @@ def build_parser() -> argparse.ArgumentParser:
 def _read_recipe(args) -> None:
     """``args.recipe_data``: the recipe file (default: DEFAULT_RECIPE) read as YAML with the overrides applied.
     A first positional holding '=' that names no file is an override (``draftsmith train train.lr=1e-4``)."""
-    from draftsmith.config import read_config_data
 
     overrides = list(getattr(args, "overrides", []) or [])
     if args.recipe and "=" in args.recipe and not Path(args.recipe).exists():
@@ -399,7 +410,6 @@ def _read_recipe(args) -> None:
 
 
 def _check_export(args) -> None:
-    from draftsmith.sources import ModelSourceError, is_head_dir
 
     run = Path(args.run_dir)
     if not is_head_dir(run) and not (run / "train" / "checkpoint" / "state.json").is_file():
@@ -416,7 +426,6 @@ def _check_export(args) -> None:
 
 
 def _check_head_and_target(args) -> None:
-    from draftsmith.sources import check_head_dir, check_model_source
 
     if getattr(args, "head", None) is not None:
         check_head_dir(args.head, role="head")
@@ -426,8 +435,6 @@ def _check_head_and_target(args) -> None:
 
 def _check_push(args) -> None:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    from draftsmith.sources import check_head_dir
 
     check_head_dir(args.head, role="head")
     try:
@@ -439,7 +446,6 @@ def _check_push(args) -> None:
 
 
 def _check_eval(args) -> None:
-    from draftsmith.drafters.speculative import check_speculative_models
 
     _check_head_and_target(args)
     for label, spec in args.drafter:
@@ -447,7 +453,6 @@ def _check_eval(args) -> None:
 
 
 def _check_engine(args) -> None:
-    from draftsmith.drafters.speculative import check_speculative_models
 
     _check_head_and_target(args)
     if args.speculative_config is not None:
@@ -457,7 +462,6 @@ def _check_engine(args) -> None:
 
 
 def _check_bench(args) -> None:
-    from draftsmith.evaluation.bench_config import check_config, config_from_args
 
     check_config(config_from_args(args))
 

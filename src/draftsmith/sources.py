@@ -119,8 +119,8 @@ def check_safetensors_file(path: str | Path, role: str = "model") -> None:
 
 
 def check_model_folder(folder: str | Path, role: str = "model", name: Any = None) -> None:
-    """A transformers model folder: ``config.json`` (a JSON object), weights, every shard named by a safetensors index present,
-    every ``*.safetensors`` whole (``check_safetensors_file``). Raises ModelSourceError."""
+    """A transformers model folder: ``config.json`` (a JSON object), weights, every shard named by a safetensors
+    index present, every ``*.safetensors`` whole (``check_safetensors_file``). Raises ModelSourceError."""
     folder = Path(folder)
     label = _named(role, name if name is not None else folder)
     if not (folder / "config.json").is_file():

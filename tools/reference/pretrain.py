@@ -80,10 +80,12 @@ def build_streams(cfg: PretrainConfig, tokenizer) -> dict[str, np.ndarray]:
         return {n: np.load(data_dir / f"{n}.npy") for n in names}
     data_dir.mkdir(parents=True, exist_ok=True)
     eot = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    docs = [json.loads(l)["text"] for l in (cfg.corpus_dir / "train_code.jsonl").open()]
-    docs += [render_text(tokenizer, json.loads(l)["messages"]) for l in (cfg.corpus_dir / "train_chat.jsonl").open()]
+    docs = [json.loads(line)["text"] for line in (cfg.corpus_dir / "train_code.jsonl").open()]
+    docs += [
+        render_text(tokenizer, json.loads(line)["messages"]) for line in (cfg.corpus_dir / "train_chat.jsonl").open()
+    ]
     random.Random(cfg.seed).shuffle(docs)
-    held = [json.loads(l)["text"] for l in (cfg.corpus_dir / "heldout_code.jsonl").open()]
+    held = [json.loads(line)["text"] for line in (cfg.corpus_dir / "heldout_code.jsonl").open()]
     out = {}
     for name, texts in (("train", docs), ("heldout_code", held)):
         ids = []
@@ -123,7 +125,7 @@ def evaluate(model, tokenizer, streams, cfg: PretrainConfig, accelerator) -> dic
         x = torch.from_numpy(code[start : start + cfg.seq_len].astype(np.int64))[None]
         with accelerator.autocast():
             losses.append(model(input_ids=x, labels=x).loss.float().item())
-    chats = [json.loads(l)["messages"] for l in (cfg.corpus_dir / "heldout_chat.jsonl").open()]
+    chats = [json.loads(line)["messages"] for line in (cfg.corpus_dir / "heldout_chat.jsonl").open()]
     chats = random.Random(cfg.seed).sample(chats, min(cfg.eval_chat_examples, len(chats)))
     tot, cnt = 0.0, 0
     for messages in chats:

@@ -1,6 +1,6 @@
 """The drafter contract: every proposer (n-gram, draft model, EAGLE-3, MLP speculator) is a ``Proposer``.
 
-The outer loop (``inference/generate.py``) calls, for one sequence:
+The outer loop (``core/generate.py``) calls, for one sequence:
   1. ``start(prompt_ids, first_token, target_step)`` once, after the target's prefill produced the
      first token (``target_step`` is the prefill's ``TargetStep`` over the prompt);
   2. ``propose(k)`` → ``Proposal``: up to k tokens continuing prompt + every emitted token so far;

@@ -144,7 +144,7 @@ def _local_records(path: Path, split: str) -> tuple[list, bool]:
         if not isinstance(data, list):
             raise DatasetError(f"{path}: a .json dataset must hold a list of records; got {type(data).__name__}")
         return data, False
-    return [l for l in text.splitlines() if l.strip()], True
+    return [line for line in text.splitlines() if line.strip()], True
 
 
 def read_conversations(

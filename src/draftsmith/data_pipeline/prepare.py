@@ -231,6 +231,6 @@ def load_prepared(folder: Path) -> PreparedData:
     for name, digest in manifest["files"].items():
         if _sha256(folder / name) != digest:
             raise ValueError(f"{folder / name} changed since it was prepared (sha256 mismatch); run prepare again")
-    read = lambda name: [json.loads(l) for l in (folder / name).open()]  # noqa: E731
+    read = lambda name: [json.loads(line) for line in (folder / name).open()]  # noqa: E731
     vmap = VocabMap.from_tensors(load_file(str(folder / "vocab_map.safetensors")))
     return PreparedData(folder, read("conversations.jsonl"), read("heldout.jsonl"), vmap, manifest)

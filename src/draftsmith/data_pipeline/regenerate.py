@@ -11,7 +11,7 @@ Each assistant turn is replaced, turn by turn, by the target's answer to the con
   transformers   batched ``generate`` with left padding, in process; the default: on the reference
                  target 16 answers batched took 29 s against 160 s one at a time through the runtime,
                  with identical greedy text (CPU, 1 thread), and the runtime decodes batch 1 by design;
-  draftsmith     draftsmith's own runtime (``inference.generate.generate_plain``, one sequence at a time
+  draftsmith     draftsmith's own runtime (``core.generate.generate_plain``, one sequence at a time
                  with a KV cache), exactly the decoding path ``draftsmith serve`` uses;
   server         an OpenAI-compatible server (vLLM, ``draftsmith serve``) given its URL:
                  ``POST /v1/chat/completions``, one request per answer, ``batch_size`` in flight.

@@ -27,7 +27,7 @@ reproduces the target's own logits at the last position, so a target whose logit
 lm_head of that state (softcapping, logit scaling) is refused instead of stored wrong.
 
 Dtype. The stored states are in the target's own dtype, which is what the runtime feeds the head
-(``inference.target.TargetModel`` returns aux states in the model's dtype): ``capture_dtype`` may only
+(``core.target.TargetModel`` returns aux states in the model's dtype): ``capture_dtype`` may only
 restate it, and ``ShardReader.check_target`` refuses a target that runs in another dtype than the
 capture was made in (bf16 states differ from fp32 states rounded to bf16).
 
@@ -602,7 +602,7 @@ class ShardReader:
         """Raise ShardError unless ``target`` (and ``tokenizer``) are the ones the capture was made with,
         running in the capture's dtype (the runtime feeds the head states in the target's dtype).
 
-        ``target``: a transformers model or an ``inference.target.TargetModel`` (its ``.model``)."""
+        ``target``: a transformers model or an ``core.target.TargetModel`` (its ``.model``)."""
 
         target = target.model if isinstance(target, TargetModel) else target
         now = target_identity(target, tokenizer)

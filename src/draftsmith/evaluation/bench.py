@@ -9,7 +9,7 @@ Steps:
      target's chat template into token ids, so every server and the HF peer read identical ids.
   2. Servers: given ``--url``s (each server's ``/v1/models`` says its speculative method), or one
      in-process server per method on a free loopback port, every engine sharing the one loaded target.
-     Before loading, the memory plan (``inference/memory.py``) of every method must fit.
+     Before loading, the memory plan (``serve/memory.py``) of every method must fit.
   3. One warm-up request per server, then ``rounds`` rounds; a round sends all prompts to each server in
      turn (the order rotates per round) at ``concurrency`` requests in flight: streamed
      ``/v1/completions``, temperature 0, ``stream_options.include_usage``. ``/metrics`` is scraped before
@@ -26,7 +26,7 @@ Steps:
   6. Verdict per method: speedup = median over rounds of (method tokens/s / no-speculation tokens/s in the
      same round); "not worth enabling" when below 1.0 (acceptance alone is not the verdict). HF peers are
      compared with HF plain generate.
-The engine serves one sequence at a time (``inference/engine.py``): with concurrency > 1 requests queue,
+The engine serves one sequence at a time (``serve/engine.py``): with concurrency > 1 requests queue,
 so TTFT includes the wait. Timings use ``torch.set_num_threads(threads)``; numbers are medians because a
 shared machine is noisy. Writes ``report.json``, ``table.md`` and ``bench.png`` to ``--out``.
 """

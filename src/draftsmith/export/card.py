@@ -23,7 +23,7 @@ PLOT_FILE = "acceptance.png"
 
 
 def _rows_from_report(report: dict) -> tuple[int, list[tuple[str, str, dict]]]:
-    """(k, [(task, method, row)]) from an ``inference.eval`` report (plain rows included)."""
+    """(k, [(task, method, row)]) from an ``evaluation.heldout`` report (plain rows included)."""
     rows = []
     for task, r in report["tasks"].items():
         rows.append((task, "plain", r["plain"]))

@@ -15,7 +15,7 @@ Fields (format_version 1):
 - ``target``: the identity from ``identity.target_identity``;
 - ``training``: caller-provided (data manifest, token counts, ...); ``eval``: held-out acceptance
   results, filled at export or later with ``update_metadata``;
-- ``referee``: verdicts of serving engines that decoded exactly as draftsmith does (``export/referee.py``),
+- ``referee``: verdicts of serving engines that decoded exactly as draftsmith does (``evaluation/referee.py``),
   keyed ``engine/format/k``: {engine, version, format, k, prompts, match, details, checked_at};
 - ``weights``: {relative file path: sha256 of its bytes} for every weight file in the directory;
 - ``created_at``: UTC ISO-8601 time of the export.

@@ -1,10 +1,10 @@
 """Acceptance length τ of the drafter while it trains, on held-out conversations.
 
 The definition is the one ``draftsmith eval`` reports, computed by the same code: each prompt is
-decoded greedily by ``inference.generate.generate_speculative`` with a fresh proposer over the
+decoded greedily by ``core.generate.generate_speculative`` with a fresh proposer over the
 current drafter (``Eagle3Proposer`` for a head, ``DraftModelProposer`` for a draft LM: the trainer's
-``DrafterSpec.proposer``), and the counters are ``inference.generate.SpecStats`` (τ = 1 + accepted / drafts,
-acceptance rate = accepted / drafted tokens, accepted per position). ``inference.eval.evaluate``
+``DrafterSpec.proposer``), and the counters are ``core.generate.SpecStats`` (τ = 1 + accepted / drafts,
+acceptance rate = accepted / drafted tokens, accepted per position). ``evaluation.heldout.evaluate``
 runs exactly these calls per task; here the tasks are the run's held-out split and the plain-decoding
 baseline (speed only) is skipped. Under several processes the prompts are split over the ranks and
 the counters summed.

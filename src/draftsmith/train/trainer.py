@@ -145,7 +145,7 @@ class DrafterSpec(abc.ABC):
 
     @abc.abstractmethod
     def proposer(self, drafter: torch.nn.Module, target_vocab_size: int):
-        """A fresh greedy ``inference.proposers`` drafter over ``drafter`` for in-loop τ."""
+        """A fresh greedy ``core.proposer.Proposer`` drafter over ``drafter`` for in-loop τ."""
 
     def aux_layer_ids(self, drafter: torch.nn.Module) -> tuple[int, ...] | None:
         """Target hidden-state indices the batches (``aux_hidden``) and the proposer read; None = none."""

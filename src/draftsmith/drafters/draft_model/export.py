@@ -17,7 +17,7 @@ Layout of ``out_dir`` (written to a temp directory beside it, fsynced, then rena
 
 vLLM serves the directory as ``--speculative-config '{"method": "draft_model", "model": DIR, ...}'``:
 it loads it as an ordinary causal LM (config.json + safetensors) and needs the target's vocabulary,
-which the export checks. draftsmith's runtime (``inference.engine``) also reads draftsmith.json and
+which the export checks. draftsmith's runtime (``serve.engine``) also reads draftsmith.json and
 refuses a target other than the one recorded (:func:`check_draft_model`); a plain HF draft directory
 without draftsmith.json is still served, checked by its tokenizer only.
 """
@@ -293,7 +293,8 @@ def check_draft_model(
     draft_model; a weight file listed in draftsmith.json missing or with another sha256; no config.json,
     or one whose vocab_size differs from the recorded draft vocab, or whose geometry differs from the
     recorded ``head_config``; weight files whose tensors are not those config.json builds, or an unlisted
-    ``*.safetensors`` (:func:`check_draft_weights`); with ``target_config`` (a model, config or dict): the target identity fields of ``export.check.OVERRIDABLE_FIELDS`` (overridable by
+    ``*.safetensors`` (:func:`check_draft_weights`); with ``target_config`` (a model, config or dict): the
+    target identity fields of ``export.check.OVERRIDABLE_FIELDS`` (overridable by
     name through ``allow_mismatch``, shared with EAGLE-3 heads: ``compare_target_identity``) and a
     target vocabulary other than the draft's (never overridable). Returns the ``CheckReport``.
 

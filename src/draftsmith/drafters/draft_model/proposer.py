@@ -1,6 +1,6 @@
 """Draft-model proposer: a smaller causal LM with the target's tokenizer drafts k tokens autoregressively.
 
-The draft keeps its OWN KV cache (``inference/cache.py``). Its bookkeeping, for one sequence:
+The draft keeps its OWN KV cache (``core/cache.py``). Its bookkeeping, for one sequence:
   context  = prompt + every emitted token            (what the target has committed)
   cached   = the tokens whose K/V sit in the draft's cache (always a prefix of what it has read)
 ``propose(k)`` feeds ``context[len(cached):]`` (never empty: the last context token is always fed, to

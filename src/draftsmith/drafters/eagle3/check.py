@@ -334,8 +334,8 @@ def check_head(
     """Run every check of the module docstring against ``target_config`` (a model, config or dict;
     None checks the head's integrity only). ``tensor_parallel_size``: also check the sharded layout.
     Raises HeadMismatchError on refusal, ValueError for an unknown ``allow_mismatch`` field.
-    A distilled draft model (``head_type: draft_model``) is checked by ``export.draft_model.check_draft_model``,
-    an MLP speculator (``head_type: mlp_speculator``) by ``export.mlp_speculator.check_mlp_speculator``."""
+    Other drafters' exports are checked by their own ``Drafter.check`` (``drafters.directory.check_export`` picks
+    it by ``head_type``)."""
     root = resolve_head_dir(head_dir)[0]
     if (root / METADATA_FILE).is_file() and read_metadata(root).head_type == "draft_model":
         if tensor_parallel_size is not None:

@@ -12,7 +12,7 @@ Alignment (a_t = target aux states after reading x0..xt; the head's hidden at st
                    x_{t+2+i} is a real but unsupervised (prompt/template) token
 
 Step i attends to the step-0 keys of positions <= t plus its own chain keys of steps 1..i
-(``heads.eagle3.HeadKV``), which is exactly what the runtime does with a chain of k drafts. Loss:
+(``head.HeadKV``), which is exactly what the runtime does with a chain of k drafts. Loss:
 sum_i 0.8^i * weighted mean soft-CE(q_i, p_i) (EAGLE-3 paper; SpecForge ``core/eagle3.py``).
 
 ``prompt_loss_weight`` (default 0: assistant tokens only, as EAGLE-3 and SpecForge train) extends the

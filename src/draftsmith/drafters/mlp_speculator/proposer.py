@@ -1,6 +1,6 @@
 """MLP speculator proposer: a chain of up to n_predict drafts, stage i feeding stage i+1.
 
-Paper: Wertheimer et al. 2024 (arXiv:2404.19124); stage arithmetic in ``heads/mlp_speculator.py``.
+Paper: Wertheimer et al. 2024 (arXiv:2404.19124); stage arithmetic in ``drafters/mlp_speculator/head.py``.
 What it reads from the target (the loop asks every forward for ``final_hidden``, the lm_head input):
 
     context       x0 .. x_t            (the target has read these; final hidden states h_0..h_t)

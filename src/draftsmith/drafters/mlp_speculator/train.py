@@ -4,7 +4,7 @@
 
 The loop, strategies, accumulation, checkpoints and in-loop τ are ``train.trainer.DrafterTrainer``'s;
 this module says what is MLP-speculator about a run (:class:`MLPSpeculatorSpec`):
-  * the drafter: an ``MLPSpeculator`` (``heads/mlp_speculator.py``) sized for the target, optionally
+  * the drafter: an ``MLPSpeculator`` (``drafters/mlp_speculator/head.py``) sized for the target, optionally
     warm-started from the target's embeddings;
   * the batch: the target's final hidden states [B, T, H] and logits [B, T, V];
   * the objective: every stage unrolled with teacher forcing, soft cross-entropy against the target's
