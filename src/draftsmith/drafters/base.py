@@ -10,7 +10,7 @@ layers find it only through the registry (``drafters.get(name)``).
     drafter.export(trained, out_dir, identity, target.config, training=..., formats=..., k=...)
 
 What each method must do, and which contract tests hold it to that, is in its docstring; a drafter that
-cannot meet a contract names it in ``opt_outs`` with the reason (``tests/contract``).
+cannot meet a contract names it in ``opt_outs`` with the reason (``tests/test_contract.py``).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class Drafter(abc.ABC):
         formats: export formats it writes (``draftsmith export --format``; ``all`` = every one).
         default_model: the model a bare method name drafts with where eval and bench need one (None: the caller
             must give it: an exported head directory).
-        opt_outs: contract test name -> the reason this drafter cannot meet it (``tests/contract``).
+        opt_outs: contract test name -> the reason this drafter cannot meet it (``tests/test_contract.py``).
     """
 
     name: ClassVar[str]

@@ -18,19 +18,20 @@ optimiser step (:meth:`DrafterTrainer.train_step`):
      split (``train.acceptance``, with the spec's proposer); checkpoints.
 Data order is a function of (seed, epoch), so a checkpoint's step number is its data position.
 
-Adding a drafter: subclass :class:`DrafterSpec` next to the drafter's module (``train/<drafter>.py``)
-and implement its five methods. ``build(target, fresh)`` returns the trainable module sized for the
-target (warm-started when ``fresh`` is False; ``fresh=True`` is an untrained copy of the same shapes,
-which the trainer fills with gathered weights under fsdp / zero3). ``objective(drafter)`` wraps it in
-an ``nn.Module`` holding the drafter at ``.head`` (``train.distributed`` strips that prefix) whose
-``forward`` takes the batch fields as keywords (``input_ids``, ``attention_mask``, ``loss_mask`` and
-each name in ``batch_fields``) and returns ``(loss, stats)`` with stats float64 ``[3, S]`` (per-step
-loss, accuracy, supervised count; ``S = num_steps``). ``proposer(drafter, target_vocab_size)`` returns
-a fresh greedy ``inference`` proposer for in-loop τ; ``aux_layer_ids(drafter)`` says which target
-layers that proposer and the batches need (None: no hidden states). Optional hooks:
-``fsdp_units`` (submodules sharded as their own FSDP2 unit), ``restore`` / ``checkpoint_extra`` /
-``vocab_map`` (state kept with checkpoints). Then add a ``train_<drafter>`` entry that builds the spec
-and calls ``DrafterTrainer(spec, ...).run()``, and a branch in ``pipeline.run_train``.
+Adding a drafter (README.md, "Adding a drafter"): subclass :class:`DrafterSpec` in the drafter's folder
+(``drafters/<name>/train.py``), return it from ``Drafter.training_spec``, and implement its five methods.
+``build(target, fresh)`` returns the trainable module sized for the target (warm-started when ``fresh`` is
+False; ``fresh=True`` is an untrained copy of the same shapes, which the trainer fills with gathered weights
+under fsdp / zero3). ``objective(drafter)`` wraps it in an ``nn.Module`` holding the drafter at ``.head``
+(``train.distributed`` strips that prefix) whose ``forward`` takes the batch fields as keywords
+(``input_ids``, ``attention_mask``, ``loss_mask`` and each name in ``batch_fields``) and returns ``(loss,
+stats)`` with stats float64 ``[3, S]`` (per-step loss, accuracy, supervised count; ``S = num_steps``).
+``proposer(drafter, target_vocab_size)`` returns a fresh greedy ``core.proposer.Proposer`` for in-loop τ;
+``aux_layer_ids(drafter)`` says which target layers that proposer and the batches need (None: no hidden
+states). Optional hooks: ``fsdp_units`` (submodules sharded as their own FSDP2 unit), ``restore`` /
+``checkpoint_extra`` / ``vocab_map`` (state kept with checkpoints). Nothing else:
+``pipeline.stages.train_drafter`` finds the spec through the registry and runs ``DrafterTrainer(spec,
+...).run()``.
 """
 
 from __future__ import annotations
