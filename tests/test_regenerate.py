@@ -95,6 +95,42 @@ def test_transformers_and_runtime_answer_alike(target, chatml):
     assert CONVERSATIONS[1]["messages"][1]["content"] == "def add"  # inputs untouched
 
 
+def test_greedy_rows_leave_the_batch_and_equal_transformers_generate():
+    """The greedy loop that drops stopped rows gives ``generate(do_sample=False)``'s tokens, row by row, on the
+    reference target with prompts of different lengths whose answers stop at different steps."""
+    import torch
+
+    from draftsmith import reference
+    from draftsmith.data_pipeline.chat import render_text
+
+    model, tok = reference.target()
+    answerer = TransformersAnswerer(model, tok, "reference")
+    records = [r for t in reference.tasks(limit=3).values() for r in t]
+    prompts = [[m for m in r["messages"] if m["role"] == "user"][:1] for r in records]
+    enc = [tok(render_text(tok, m, add_generation_prompt=True), add_special_tokens=False)["input_ids"] for m in prompts]
+    width = max(map(len, enc))
+    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
+    attn = torch.zeros_like(ids)
+    for i, e in enumerate(enc):
+        ids[i, width - len(e) :], attn[i, width - len(e) :] = torch.tensor(e), 1
+    ours = answerer.greedy(ids, attn, 48)
+    theirs = model.generate(
+        input_ids=ids,
+        attention_mask=attn,
+        max_new_tokens=48,
+        do_sample=False,
+        eos_token_id=list(answerer.eos_token_ids),
+        pad_token_id=tok.pad_token_id,
+    )
+    stops = set(answerer.eos_token_ids)
+    lengths = set()
+    for row, full in zip(ours, theirs[:, width:].tolist()):
+        end = next((i + 1 for i, t in enumerate(full) if t in stops), len(full))
+        assert row == full[:end]
+        lengths.add(len(row))
+    assert len(lengths) > 2 and any(n < 48 for n in lengths)  # rows left the batch at different steps
+
+
 def test_later_turns_see_earlier_regenerated_answers(target, chatml):
     seen = []
 
