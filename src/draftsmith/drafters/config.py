@@ -49,7 +49,7 @@ class DrafterSection:
     @classmethod
     def variant(cls, data: dict) -> type:
         """The section class of the drafter ``data["method"]`` names (``draftsmith.config`` calls this)."""
-        return drafters.section_class(drafters.check_name(data.get("method", drafters.DEFAULT), "drafter.method"))
+        return drafters.section_class(drafters.check_name(data.get("method", drafters.DEFAULT), "method"))
 
 
 @dataclass(frozen=True)
