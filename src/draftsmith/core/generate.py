@@ -22,7 +22,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from draftsmith.core.proposer import Proposal, Proposer
-from draftsmith.core.sampling import logits_to_probs, sample
+from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
 from draftsmith.core.target import TargetModel, TargetStep
 from draftsmith.core.verify import verify_greedy, verify_sampling
 
@@ -167,15 +167,6 @@ def _check_length(target: TargetModel, prompt: torch.Tensor, cfg: GenerationConf
         )
 
 
-def _generator(cfg: GenerationConfig, device: torch.device) -> torch.Generator:
-    generator = torch.Generator(device=device)
-    if cfg.seed is None:
-        generator.seed()
-    else:
-        generator.manual_seed(cfg.seed)
-    return generator
-
-
 def _next_token(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator) -> int:
     """One token from next-token logits ``[V]``: argmax (greedy) or a draw from p."""
     return int(logits.argmax()) if cfg.greedy else int(sample(cfg.probs(logits), generator))
@@ -231,7 +222,7 @@ def generate_plain(
     out = _Output(cfg, on_tokens)
     if out.finish_reason:
         return GenerationResult(out.tokens, out.finish_reason, None, 0)
-    generator = _generator(cfg, target.device)
+    generator = seeded_generator(target.device, cfg.seed)
     cache = target.new_cache()
     step = target.forward(prompt, cache)
     forwards = 1
@@ -330,7 +321,7 @@ def generate_speculative(
     out = _Output(cfg, on_tokens)
     if out.finish_reason:
         return GenerationResult(out.tokens, out.finish_reason, stats, 0)
-    generator = _generator(cfg, target.device)
+    generator = seeded_generator(target.device, cfg.seed)
     cache = target.new_cache()
     final_hidden = bool(proposer.needs_final_hidden)  # MLP speculator: lm_head inputs of every row
     step: TargetStep = target.forward(prompt, cache, final_hidden=final_hidden)

@@ -67,6 +67,17 @@ def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(torch.float32).tiny), p)
 
 
+def seeded_generator(device: torch.device | str, seed: int | None) -> torch.Generator:
+    """A sampling generator on ``device``: ``manual_seed(seed)``, or for ``seed`` None one seeded from the OS
+    (nondeterministic), never torch's fixed default seed (two unseeded samplers would draw alike)."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Draw one token per row of ``probs`` ``[..., V]``; returns int64 ``[...]`` (a 0-d tensor for ``[V]``).
 

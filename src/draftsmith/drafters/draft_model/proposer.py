@@ -19,7 +19,7 @@ import logging
 import torch
 
 from draftsmith.core.proposer import Proposal, Proposer
-from draftsmith.core.sampling import logits_to_probs, sample
+from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
 from draftsmith.core.target import TargetModel, has_learned_positions, position_limit
 
 logger = logging.getLogger(__name__)
@@ -96,11 +96,7 @@ class DraftModelProposer(Proposer):
         if temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = torch.Generator(device=self.lm.device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.generator = seeded_generator(self.lm.device, seed)
         self.cache = self.lm.new_cache()
         self._context: list[int] = []
         self._cached: list[int] = []

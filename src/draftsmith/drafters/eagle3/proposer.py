@@ -20,7 +20,7 @@ import logging
 import torch
 
 from draftsmith.core.proposer import Proposal, Proposer
-from draftsmith.core.sampling import logits_to_probs, sample
+from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
 from draftsmith.drafters.eagle3.head import Eagle3Head, HeadKV
 
 logger = logging.getLogger(__name__)
@@ -74,11 +74,7 @@ class Eagle3Proposer(Proposer):
             raise ValueError(f"temperature must be >= 0, got {temperature}")
         self.head = head.eval()
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = torch.Generator(device=head.fc.weight.device)
-        if seed is None:
-            self.generator.seed()  # nondeterministic, not torch's fixed default seed
-        else:
-            self.generator.manual_seed(seed)
+        self.generator = seeded_generator(head.fc.weight.device, seed)
         vd = head.config.draft_vocab_size
         self.draft_ids = head.draft_to_target(torch.arange(vd, device=head.fc.weight.device))  # [Vd] target ids
         self.kv = HeadKV()

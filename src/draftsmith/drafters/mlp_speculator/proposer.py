@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.core.proposer import Proposal, Proposer
-from draftsmith.core.sampling import logits_to_probs, sample
+from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
 from draftsmith.drafters.mlp_speculator.head import MLPSpeculator
 
 
@@ -56,11 +56,7 @@ class MLPSpeculatorProposer(Proposer):
         self.head = head.eval()
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.device = head.proj[0].weight.device
-        self.generator = torch.Generator(device=self.device)
-        if seed is not None:
-            self.generator.manual_seed(seed)
-        else:
-            self.generator.seed()
+        self.generator = seeded_generator(self.device, seed)
         self.state: torch.Tensor | None = None  # [1, H] stage-0 state (final hidden of the last verified row)
         self.last_token: int | None = None  # the target's token after that row
 
