@@ -22,7 +22,7 @@ from transformers import LlamaForCausalLM
 
 from draftsmith import reference
 from draftsmith.core.generate import GenerationConfig
-from draftsmith.core.proposer import Proposal, Proposer
+from draftsmith.core.proposer import PerSequence, Proposal, Proposer
 from draftsmith.core.stops import StopStringFound as StopStringFound
 from draftsmith.core.stops import TextStream
 from draftsmith.serve.engine import Engine
@@ -201,12 +201,18 @@ class ScriptedTarget(LlamaForCausalLM):
     prompt_len: int = 0
     script: tuple[int, ...] = ()
 
-    def forward(self, *args, position_ids=None, **kwargs):
-        out = super().forward(*args, position_ids=position_ids, **kwargs)
-        for row, position in enumerate(position_ids[0].tolist()):
-            i = position + 1 - self.prompt_len
-            if 0 <= i < len(self.script):
-                out.logits[0, row, self.script[i]] = out.logits[0, row].max() + 10.0
+    def forward(self, *args, position_ids=None, logits_to_keep=0, **kwargs):
+        out = super().forward(*args, position_ids=position_ids, logits_to_keep=logits_to_keep, **kwargs)
+        columns = list(range(position_ids.shape[1]))  # the input columns whose logits were computed
+        if isinstance(logits_to_keep, torch.Tensor):
+            columns = logits_to_keep.tolist()
+        elif logits_to_keep:
+            columns = columns[-logits_to_keep:]
+        for b in range(position_ids.shape[0]):
+            for row, column in enumerate(columns):
+                i = int(position_ids[b, column]) + 1 - self.prompt_len
+                if 0 <= i < len(self.script):
+                    out.logits[b, row, self.script[i]] = out.logits[b, row].max() + 10.0
         return out
 
 
@@ -233,8 +239,11 @@ class ScriptedEngine(Engine):
 
     sizes: tuple[int, ...] = (1,)
 
-    def new_proposer(self, cfg):
-        return ScriptedChunks(list(self.target.model.script), self.sizes)
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scheduler.decoder.proposer = PerSequence(
+            lambda _: ScriptedChunks(list(self.target.model.script), self.sizes)
+        )
 
 
 @pytest.fixture(scope="module")

@@ -228,6 +228,9 @@ def cmd_serve(args) -> int:
         served_model_name=args.served_model_name,
         allow_mismatch=args.allow_mismatch,
         max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting_requests,
     )
     serve(engine, host=args.host, port=args.port)
     return 0
@@ -387,6 +390,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=arg.positive_int,
         default=None,
         help="longest prompt + completion served (default: the target's max_position_embeddings)",
+    )
+    p.add_argument(
+        "--max-num-seqs", type=arg.positive_int, default=64, help="most sequences decoded together (as vLLM's)"
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=arg.positive_int,
+        default=2048,
+        help="most tokens one step reads, decode rows and prefill chunks together (as vLLM's)",
+    )
+    p.add_argument(
+        "--max-waiting-requests",
+        type=arg.positive_int,
+        default=1024,
+        help="requests allowed to wait for a batch slot; past it new requests get HTTP 429",
     )
     p.set_defaults(fn=cmd_serve)
 

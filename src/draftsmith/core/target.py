@@ -1,8 +1,9 @@
-"""The target model as the runtime sees it: one forward over new tokens of one sequence, with a KV cache.
+"""The target model as the runtime sees it: one forward over new tokens of one sequence or of a batch, with a KV cache.
 
-``TargetModel`` wraps any transformers causal LM (Llama, Qwen2/3, Mistral, ...). The runtime's unit is
-ONE sequence (batch size 1): tensors here are 1-D token ids ``[T_new]`` and 2-D outputs ``[T_new, ·]``.
-Positions are taken from the cache length, so a forward after ``cache.crop(L)`` continues at position L.
+``TargetModel`` wraps any transformers causal LM (Llama, Qwen2/3, Mistral, ...). ``forward`` reads new tokens of
+ONE sequence: 1-D token ids ``[T_new]``, 2-D outputs ``[T_new, ·]``; positions are taken from the cache length,
+so a forward after ``cache.crop(L)`` continues at position L. ``forward_batch`` reads ragged new tokens of B
+sequences in one call over a ``BatchKVCache`` (``batch_cache.py``): per-row positions, per-row rollback.
 
 ``aux_hidden`` follows the design (DESIGN.md §3) and ``data_pipeline/capture.py``: the concatenation
 low→mid→high of ``outputs.hidden_states[i]`` for i in ``aux_layer_ids``, in transformers'
@@ -24,6 +25,7 @@ from typing import Sequence
 import torch
 
 from draftsmith.core.aux_layers import check_aux_layer_ids
+from draftsmith.core.batch_cache import BatchKVCache
 from draftsmith.core.cache import KVCache
 
 #: config keys that bound a model's positions, as vLLM's ``_get_and_verify_max_len`` reads them (the smallest wins)
@@ -78,6 +80,34 @@ class TargetStep:
     logits: torch.Tensor
     aux_hidden: torch.Tensor | None = None
     final_hidden: torch.Tensor | None = None
+
+
+@dataclass
+class BatchTargetStep:
+    """What one target forward over a batch returns: row b read ``counts[b]`` new tokens (padded to T).
+
+    Attributes:
+        logits: ``[B, T, V]`` float32; ``logits[b, t]`` follows row b's token t (rows past counts[b]: padding).
+        aux_hidden: ``[B, T, 3H]`` or None; final_hidden: ``[B, T, H]`` or None (as ``TargetStep``).
+        counts: ``[B]`` rows of logits / final_hidden per sequence (its new tokens; 1 after a ``last_only``
+            forward). aux_counts: ``[B]`` rows of aux_hidden per sequence (default: ``counts``).
+    """
+
+    logits: torch.Tensor
+    aux_hidden: torch.Tensor | None
+    final_hidden: torch.Tensor | None
+    counts: list[int]
+    aux_counts: list[int] | None = None
+
+    def row(self, b: int) -> TargetStep:
+        """Row b as a one-sequence ``TargetStep`` (views: ``counts[b]`` rows, aux ``aux_counts[b]``)."""
+        n = self.counts[b]
+        n_aux = n if self.aux_counts is None else self.aux_counts[b]
+        return TargetStep(
+            logits=self.logits[b, :n],
+            aux_hidden=None if self.aux_hidden is None else self.aux_hidden[b, :n_aux],
+            final_hidden=None if self.final_hidden is None else self.final_hidden[b, :n],
+        )
 
 
 class TargetModel:
@@ -143,6 +173,78 @@ class TargetModel:
         device = self.device
         start = cache.length
         positions = torch.arange(start, start + input_ids.numel(), device=device)
+        logits, aux, final = self._run(input_ids.to(device)[None], positions[None], None, cache.hf, final_hidden)
+        if cache.length != start + input_ids.numel():
+            raise RuntimeError(
+                f"{type(self.model).__name__} did not extend the KV cache ({start} -> {cache.length} "
+                f"tokens after reading {input_ids.numel()}): this transformers release ignores the "
+                f"`cache=` argument; install transformers>=5.24 (pyproject.toml)"
+            )
+        return TargetStep(
+            logits=logits[0],
+            aux_hidden=None if aux is None else aux[0],
+            final_hidden=None if final is None else final[0],
+        )
+
+    @torch.no_grad()
+    def forward_batch(
+        self,
+        input_ids: Sequence[torch.Tensor],
+        cache: BatchKVCache,
+        final_hidden: bool = False,
+        last_only: bool = False,
+    ) -> BatchTargetStep:
+        """Read ``input_ids[b]`` (``[T_b]`` int64, T_b >= 1) after row b of ``cache``; ONE forward for the batch.
+
+        Rows are padded to T = max T_b; each row reads at its own positions (``cache.lengths[b] ..``) and
+        attends to its own valid slots only. The caller then calls ``cache.commit(kept)`` to keep the first
+        ``kept[b]`` tokens of each row (rejected drafts and padding are rolled back there).
+
+        ``last_only`` (a prefill): the output embedding runs on each row's last new token only (transformers'
+        ``logits_to_keep``): logits and final_hidden then have ONE row per sequence (``counts`` all 1 in the
+        result); aux_hidden keeps every row.
+
+        Returns:
+            ``BatchTargetStep`` (logits ``[B, T, V]`` float32, aux ``[B, T, 3H]`` / final ``[B, T, H]`` or None).
+
+        Raises:
+            ValueError: not one non-empty 1-D tensor per row of ``cache``.
+        """
+        rows = [torch.as_tensor(x, dtype=torch.long).reshape(-1) for x in input_ids]
+        counts = [int(x.numel()) for x in rows]
+        if len(rows) != cache.batch_size or min(counts, default=0) < 1:
+            raise ValueError(f"need one non-empty token list per cached row ({cache.batch_size}), got lengths {counts}")
+        device = self.device
+        t = max(counts)
+        ids = torch.zeros(len(rows), t, dtype=torch.long)
+        for b, x in enumerate(rows):
+            ids[b, : x.numel()] = x.cpu()
+        positions, mask = cache.begin(counts)
+        if mask is not None and self.model.config._attn_implementation not in ("sdpa", "flex_attention"):
+            mask = _additive(mask, self.model.dtype)
+        if isinstance(mask, torch.Tensor):
+            mask = mask.to(device)
+        elif isinstance(mask, dict):
+            mask = {key: m.to(device) for key, m in mask.items()}
+        if not last_only:
+            logits, aux, final = self._run(ids.to(device), positions.to(device), mask, cache.hf, final_hidden)
+            return BatchTargetStep(logits=logits, aux_hidden=aux, final_hidden=final, counts=counts)
+        last = sorted({c - 1 for c in counts})  # the columns holding some row's last token
+        keep = 1 if last == [t - 1] else torch.tensor(last, device=device)
+        logits, aux, final = self._run(ids.to(device), positions.to(device), mask, cache.hf, final_hidden, keep)
+        pick = torch.tensor([last.index(c - 1) for c in counts], device=device)
+        rows_b = torch.arange(len(counts), device=device)
+        return BatchTargetStep(
+            logits=logits[rows_b, pick][:, None],
+            aux_hidden=aux,
+            final_hidden=None if final is None else final[rows_b, pick][:, None],
+            counts=[1] * len(counts),
+            aux_counts=counts,
+        )
+
+    def _run(self, ids, positions, mask, hf_cache, final_hidden: bool, logits_to_keep: int | torch.Tensor = 0):
+        """One model call over ``ids [B, T]``: (logits ``[B, T', V]`` float32, aux ``[B, T, 3H]`` or None,
+        final hidden ``[B, T', H]`` or None); T' = T unless ``logits_to_keep`` (transformers' meaning) says."""
         lm_head_inputs: list[torch.Tensor] = []
         hook = (
             self.model.get_output_embeddings().register_forward_pre_hook(
@@ -153,34 +255,39 @@ class TargetModel:
         )
         try:
             out = self.model(
-                input_ids=input_ids.to(device)[None],
-                position_ids=positions[None],
+                input_ids=ids,
+                position_ids=positions,
+                **({"attention_mask": mask} if mask is not None else {}),
                 output_hidden_states=self.aux_layer_ids is not None,
-                **cache.model_kwargs(),
+                cache=hf_cache,
+                use_cache=True,
+                **({"logits_to_keep": logits_to_keep} if not isinstance(logits_to_keep, int) or logits_to_keep else {}),
             )
         finally:
             if hook is not None:
                 hook.remove()
-        if cache.length != start + input_ids.numel():
-            raise RuntimeError(
-                f"{type(self.model).__name__} did not extend the KV cache ({start} -> {cache.length} "
-                f"tokens after reading {input_ids.numel()}): this transformers release ignores the "
-                f"`cache=` argument; install transformers>=5.24 (pyproject.toml)"
-            )
         aux = None
         if self.aux_layer_ids is not None:
-            aux = torch.cat([out.hidden_states[i][0] for i in self.aux_layer_ids], dim=-1)  # [T_new, 3H]
+            aux = torch.cat([out.hidden_states[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
         final = None
         if final_hidden:
-            if len(lm_head_inputs) != 1 or lm_head_inputs[0].shape[:2] != (1, input_ids.numel()):
+            if len(lm_head_inputs) != 1 or lm_head_inputs[0].shape[:2] != out.logits.shape[:2]:
                 raise RuntimeError(
                     f"{type(self.model).__name__}: expected one lm_head call over all "
-                    f"{input_ids.numel()} rows, saw {[tuple(x.shape) for x in lm_head_inputs]}; "
+                    f"{ids.shape[1]} rows, saw {[tuple(x.shape) for x in lm_head_inputs]}; "
                     "final_hidden needs a model whose forward applies its output embedding once "
                     "to every position"
                 )
-            final = lm_head_inputs[0][0]  # [T_new, H]
-        return TargetStep(logits=out.logits[0].float(), aux_hidden=aux, final_hidden=final)
+            final = lm_head_inputs[0]  # [B, T, H]
+        return out.logits.float(), aux, final
+
+
+def _additive(mask, dtype):
+    """A bool attention mask (True attends) as the additive float mask eager attention adds (0 / dtype min)."""
+    if isinstance(mask, dict):
+        return {key: _additive(m, dtype) for key, m in mask.items()}
+    zero = torch.zeros((), dtype=dtype)
+    return torch.where(mask, zero, torch.finfo(dtype).min)
 
 
 def resolve_max_model_len(limit: tuple[str, int] | None, requested: int | None) -> int:

@@ -23,7 +23,7 @@ from typing import Any, ClassVar, Sequence
 
 import torch
 
-from draftsmith.core.proposer import Proposer
+from draftsmith.core.proposer import BatchProposer, PerSequence, Proposer, Sampling
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.precision import resolve_dtype
 
@@ -44,17 +44,6 @@ def example_target_name(target_model) -> str:
     return getattr(target_model.config, "_name_or_path", None) or "example-target"
 
 
-@dataclass
-class Sampling:
-    """How a proposer draws its drafts: the request's settings (``core.sampling.logits_to_probs``); temperature 0
-    drafts the argmax with q None. ``seed`` seeds the drafter's own generator (``draft_seed``)."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-
-
 class LoadedDrafter(abc.ABC):
     """One drafter loaded for one target, checked and on the target's device; serves many sequences.
 
@@ -72,6 +61,15 @@ class LoadedDrafter(abc.ABC):
     @abc.abstractmethod
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh proposer for one sequence (``core.proposer.Proposer``)."""
+
+    def new_batch_proposer(self) -> BatchProposer:
+        """A proposer for the rows of a batch (``core.proposer.BatchProposer``), each row drafting with its own
+        ``Sampling``. Default: one ``new_proposer`` per row (``PerSequence``); drafters whose work batches
+        override it, and must draft exactly what ``new_proposer`` drafts for each row (contract test)."""
+        probe = self.new_proposer(Sampling())
+        return PerSequence(
+            self.new_proposer, needs_aux_hidden=probe.needs_aux_hidden, needs_final_hidden=probe.needs_final_hidden
+        )
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Refuse (ValueError naming both lengths and the fix) or warn when sequences of ``max_model_len`` tokens

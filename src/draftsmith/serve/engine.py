@@ -1,4 +1,4 @@
-"""The serving engine: one target, its tokenizer, an optional speculative config; one request at a time.
+"""The serving engine: one target, its tokenizer, an optional speculative config; many requests per step.
 
     engine = Engine.from_pretrained("reference", '{"method": "ngram", "num_speculative_tokens": 4}')
     result = engine.generate(engine.tokenizer("def f(").input_ids, GenerationConfig(max_new_tokens=32))
@@ -21,9 +21,11 @@ Startup:
      (``LoadedDrafter.check_max_model_len``: a draft's learned position table refuses, RoPE only warns);
   4. per request: a fresh proposer from the loaded drafter (proposers hold per-sequence state).
 
-Requests are served one at a time: the runtime's unit is one sequence (batch size 1), so ``generate``
-holds a lock for the whole sequence and concurrent callers queue behind it (the server adds a
-single-worker thread as its FIFO queue). Stop ids are ``core.stops.stop_token_ids`` (as eval's); stop strings
+Requests are decoded together: ``generate`` (callable from many threads at once) submits the request to the
+engine's scheduler (``serve/scheduler.py``), whose thread steps a ``core.batch.BatchDecoder``: continuous
+batching with at most ``max_num_seqs`` rows and ``max_num_batched_tokens`` tokens per step, chunked prefill,
+and a bounded waiting queue (``max_waiting``; a full queue refuses with ``EngineOverloaded``). Each request keeps
+its own sampling settings, seed and stops. Stop ids are ``core.stops.stop_token_ids`` (as eval's); stop strings
 are found on the decoded text that is final (``core.stops.TextStream``), token by token whatever the chunking,
 so plain and speculative decoding stop at the same token. Spec-decode counters come from the decode loop's
 observer hook (``on_step``), so they count every verify step even when a stop string ends generation.
@@ -41,14 +43,8 @@ import torch
 from transformers import AutoConfig
 
 from draftsmith import drafters, reference
-from draftsmith.core.generate import (
-    GenerationConfig,
-    GenerationResult,
-    SpecStats,
-    VerifyStep,
-    generate_plain,
-    generate_speculative,
-)
+from draftsmith.core.batch import BatchDecoder, BatchSequence
+from draftsmith.core.generate import GenerationConfig, GenerationResult, SpecStats, VerifyStep
 from draftsmith.core.proposer import Proposer
 from draftsmith.core.stops import StopStringFound, TextStream, stop_token_ids
 from draftsmith.core.target import TargetModel, resolve_max_model_len
@@ -57,6 +53,9 @@ from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.models import load_causal_lm, resolve_model_dtype
 from draftsmith.serve.memory import plan_for_engine
 from draftsmith.serve.metrics import EngineMetrics
+from draftsmith.serve.scheduler import EngineOverloaded, RequestCancelled, Scheduler
+
+__all__ = ["Engine", "EngineOverloaded", "EngineResult", "RequestCancelled", "RequestError"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +71,6 @@ class RequestError(ValueError):
     def __init__(self, message: str, code: str = "invalid_request", param: str | None = None):
         super().__init__(message)
         self.code, self.param = code, param
-
-
-class RequestCancelled(Exception):
-    """Raised by ``Engine.generate`` when its ``cancel`` event was set (e.g. the client went away)."""
 
 
 @dataclass
@@ -95,7 +90,7 @@ class EngineResult(GenerationResult):
 
 
 class Engine:
-    """Serves one target (batch size 1), with or without speculation.
+    """Serves one target to many requests at once (continuous batching), with or without speculation.
 
     Args:
         model: a transformers causal LM in eval mode (on its serving device).
@@ -106,6 +101,9 @@ class Engine:
             ``--allow-mismatch``).
         max_model_len: longest prompt + completion served, in tokens (default and upper bound: the target's
             declared position limit, ``max_position_embeddings`` or ``n_positions``; as vLLM's ``--max-model-len``).
+        max_num_seqs: most sequences decoded together (vLLM ``--max-num-seqs``).
+        max_num_batched_tokens: most tokens one step reads, decode and prefill (vLLM ``--max-num-batched-tokens``).
+        max_waiting: most requests waiting to run; more are refused with ``EngineOverloaded`` (HTTP 429).
 
     Attributes:
         drafter: the ``LoadedDrafter`` (None without speculation). target: the wrapped target.
@@ -124,6 +122,9 @@ class Engine:
         model_name: str = "draftsmith",
         allow_mismatch: Sequence[str] = (),
         max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        max_waiting: int = 1024,
     ):
         self.spec = SpeculativeConfig.parse(speculative_config)
         self.tokenizer, self.model_name = tokenizer, model_name
@@ -140,7 +141,18 @@ class Engine:
             self.drafter.check_max_model_len(self.max_model_len)
         self.eos_token_ids = stop_token_ids(model, tokenizer)
         self.metrics = EngineMetrics(self.k)
-        self._lock = threading.Lock()
+        decoder = BatchDecoder(
+            self.target,
+            self.drafter.new_batch_proposer() if self.drafter is not None else None,
+            self.k,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+        self.scheduler = Scheduler(decoder, self.metrics, max_waiting=max_waiting)
+
+    def close(self) -> None:
+        """Stop the scheduler thread (requests still in it fail); the engine serves no more."""
+        self.scheduler.close()
 
     @classmethod
     def from_pretrained(
@@ -155,6 +167,7 @@ class Engine:
         allow_mismatch: Sequence[str] = (),
         max_model_len: int | None = None,
         check_memory: bool = True,
+        **batching,
     ) -> "Engine":
         """Load ``target`` (a Hub id, a folder, or ``reference``) on ``device`` (default: cuda when
         available) and build the engine; ``served_model_name`` defaults to ``target``.
@@ -162,6 +175,7 @@ class Engine:
         Before loading, the drafter checks what it can from configs (``Drafter.check_before_loading``), and
         ``serve.memory.plan_for_engine`` estimates weights + KV caches of the target and the drafter for
         ``max_model_len`` and compares them with the device's free memory (``check_memory=False`` skips it).
+        ``batching``: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_waiting`` (as ``Engine``).
 
         Raises:
             MemoryPlanError (a ValueError): the plan does not fit; the message says what to change.
@@ -189,6 +203,7 @@ class Engine:
             model_name=served_model_name or target,
             allow_mismatch=allow_mismatch,
             max_model_len=max_model_len,
+            **batching,
         )
 
     def check_prompt(self, prompt_ids: Sequence[int], max_new_tokens: int) -> None:
@@ -228,59 +243,65 @@ class Engine:
         cancel: threading.Event | None = None,
         arrival: float | None = None,
     ) -> EngineResult:
-        """Generate one sequence (waiting for the requests ahead of it), record its metrics.
+        """Generate one sequence in the engine's running batch (blocks until it ended), record its metrics.
 
         Args:
             prompt_ids: ``[T]`` token ids. cfg: decoding settings (EOS ids are the caller's to set;
                 ``self.eos_token_ids`` are the model's).
-            stop: stop strings, found on the decoded text. on_text: called with each new piece of text.
-            cancel: when set, generation stops at the next chunk with ``RequestCancelled``.
+            stop: stop strings, found on the decoded text. on_text: called with each new piece of text (on the
+                scheduler's thread).
+            cancel: when set, the request leaves the batch at the next step with ``RequestCancelled``.
             arrival: ``time.perf_counter()`` when the request arrived (TTFT and latency count from it;
                 default: now).
 
         Raises:
             RequestError: the prompt fails ``check_prompt``. RequestCancelled: ``cancel`` was set.
+            EngineOverloaded: the waiting queue is full.
         """
         arrival = time.perf_counter() if arrival is None else arrival
         prompt = [int(t) for t in prompt_ids]
         self.check_prompt(prompt, cfg.max_new_tokens)
-        with self._lock:
-            proposer = self.new_proposer(cfg)
-            stats = SpecStats(k=self.k) if proposer is not None else None
-            steps = 0
-            text = TextStream(self.tokenizer, stop, on_text)
-            first_token_at = None
+        stats = SpecStats(k=self.k) if self.drafter is not None else None
+        text = TextStream(self.tokenizer, stop, on_text)
+        first_token_at = None
 
-            def on_step(step: VerifyStep) -> None:  # counted before the step's tokens can stop generation
-                nonlocal steps
-                steps += 1
-                stats.record(step.proposed, step.accepted)
+        def on_step(step: VerifyStep) -> None:  # counted before the step's tokens can stop generation
+            stats.record(step.proposed, step.accepted)
 
-            def on_tokens(chunk: list[int]) -> None:
-                nonlocal first_token_at
-                if first_token_at is None:
-                    first_token_at = time.perf_counter()
-                if cancel is not None and cancel.is_set():
-                    raise RequestCancelled
-                text.add(chunk)
+        def on_tokens(chunk: list[int]) -> None:
+            nonlocal first_token_at
+            if first_token_at is None:
+                first_token_at = time.perf_counter()
+            if cancel is not None and cancel.is_set():
+                raise RequestCancelled
+            text.add(chunk)
 
-            try:
-                if proposer is None:
-                    result = generate_plain(self.target, prompt, cfg, on_tokens=on_tokens)
-                else:
-                    result = generate_speculative(
-                        self.target, proposer, prompt, cfg, self.k, on_tokens=on_tokens, on_step=on_step
-                    )
-                finish_reason, forwards = result.finish_reason, result.num_target_forwards
-            except StopStringFound:
-                finish_reason = "stop"
-                forwards = 1 + steps if proposer is not None else len(text.tokens)
-            finally:
-                if stats is not None:
-                    self.metrics.record_spec(stats)
-            text.finish()
-            if text.stopped:  # found in the tail that only the end of generation made final
-                finish_reason = "stop"
+        seq = BatchSequence(
+            prompt,
+            cfg,
+            Sampling(cfg.temperature, cfg.top_k, cfg.top_p, draft_seed(cfg.seed)),
+            on_tokens=on_tokens,
+            on_step=on_step if stats is not None else None,
+        )
+        job = self.scheduler.submit(seq, cancel)
+        try:
+            job.wait()
+        finally:
+            if not seq.done and cancel is not None:
+                cancel.set()
+            if stats is not None:
+                self.metrics.record_spec(stats)
+        error = seq.error
+        if isinstance(error, StopStringFound):
+            finish_reason = "stop"
+        elif error is not None:
+            raise error
+        else:
+            finish_reason = seq.result.finish_reason
+        forwards = seq.forwards
+        text.finish()
+        if text.stopped:  # found in the tail that only the end of generation made final
+            finish_reason = "stop"
         latency = time.perf_counter() - arrival
         ttft = first_token_at - arrival if first_token_at is not None else None
         self.metrics.record_request(len(prompt), len(text.tokens), finish_reason, ttft, latency)

@@ -12,13 +12,15 @@ shows, vLLM's ``spec_decode`` names under the ``draftsmith:`` prefix, DESIGN.md 
     draftsmith:time_to_first_token_seconds      histogram: request arrival -> first token emitted (prefill)
     draftsmith:time_per_output_token_seconds    histogram: (latency - TTFT) / (tokens - 1), tokens > 1
     draftsmith:e2e_request_latency_seconds      histogram: request arrival -> last token
+    draftsmith:num_requests_running             gauge: sequences in the running batch (vLLM's name)
+    draftsmith:num_requests_waiting             gauge: requests queued, not yet running (prefilling included)
 
 From a scrape: acceptance rate = accepted / draft tokens; acceptance length τ = 1 + accepted / drafts.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from draftsmith.core.generate import SpecStats
 
@@ -143,6 +145,16 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+
+        self.requests_running = Gauge(PREFIX + "num_requests_running", "Sequences in the running batch.", registry=r)
+        self.requests_waiting = Gauge(
+            PREFIX + "num_requests_waiting", "Requests waiting to run (queued or being prefilled).", registry=r
+        )
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        """The scheduler's load after a step: rows running, requests waiting."""
+        self.requests_running.set(running)
+        self.requests_waiting.set(waiting)
 
     def record_spec(self, stats: SpecStats) -> None:
         """Add one sequence's speculation counters."""

@@ -12,9 +12,10 @@ Parameters that would change the output but are not implemented (logprobs, echo,
 logit_bias, suffix, tools) are refused; other unknown fields are ignored, as vLLM does.
 Defaults follow OpenAI / vLLM: temperature 1.0, max_tokens = what is left of the context.
 
-A bad request gets a 4xx JSON body ``{"error": {"message", "type", "code", "param"}}``. Generation runs
-on ONE worker thread, which is the request queue (batch size 1: ``engine.py``); the event loop stays
-free for /health and /metrics. A streaming client that disconnects cancels its generation.
+A bad request gets a 4xx JSON body ``{"error": {"message", "type", "code", "param"}}``. Requests are decoded
+together by the engine's scheduler (continuous batching: ``engine.py``, ``scheduler.py``); each waits on a
+worker thread, so the event loop stays free for /health and /metrics. When ``max_waiting`` requests already
+wait, a new one is answered 429 at once. A streaming client that disconnects cancels its generation.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from draftsmith.core.generate import GenerationConfig
-from draftsmith.serve.engine import Engine, EngineResult, RequestError
+from draftsmith.serve.engine import Engine, EngineOverloaded, EngineResult, RequestError
 
 # request fields that would change the output but are not implemented, with their no-op values
 UNSUPPORTED = {
@@ -197,8 +198,23 @@ def _sse(payload: Any) -> str:
 
 
 def create_app(engine: Engine) -> FastAPI:
-    """The FastAPI app serving ``engine`` (one worker thread runs the generations, in arrival order)."""
-    worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="draftsmith-engine")
+    """The FastAPI app serving ``engine``: every request waits for its sequence on a worker thread while the
+    engine's scheduler decodes them together."""
+    scheduler = engine.scheduler
+    worker = ThreadPoolExecutor(
+        max_workers=scheduler.max_waiting + scheduler.decoder.max_num_seqs + 4, thread_name_prefix="draftsmith-request"
+    )
+
+    def overloaded(message: str) -> APIError:
+        return APIError(429, message, "too_many_requests", None, "rate_limit_error")
+
+    def check_capacity() -> None:
+        """Refuse before any byte is sent (a stream's status is final once it starts)."""
+        if scheduler.num_waiting >= scheduler.max_waiting:
+            raise overloaded(
+                f"the server is at capacity: {scheduler.num_running} requests running and {scheduler.num_waiting} "
+                f"waiting (max_waiting={scheduler.max_waiting}); retry later"
+            )
 
     @asynccontextmanager
     async def lifespan(app):
@@ -233,10 +249,16 @@ def create_app(engine: Engine) -> FastAPI:
         )
 
     async def run(prompt_ids, cfg, stop, on_text=None, cancel=None) -> EngineResult:
+        cancel = cancel or threading.Event()
         call = partial(
             engine.generate, prompt_ids, cfg, stop=stop, on_text=on_text, cancel=cancel, arrival=time.perf_counter()
         )
-        return await asyncio.get_running_loop().run_in_executor(worker, call)
+        try:
+            return await asyncio.get_running_loop().run_in_executor(worker, call)
+        except EngineOverloaded as e:
+            raise overloaded(str(e)) from None
+        finally:
+            cancel.set()  # a request whose client went away (the await was cancelled) leaves the batch
 
     def stream(prompt_ids, cfg, stop, chunk, first: list | None, include_usage: bool):
         """SSE body: ``chunk(delta_text, finish_reason)`` payloads, an optional usage chunk, [DONE]."""
@@ -280,6 +302,7 @@ def create_app(engine: Engine) -> FastAPI:
             finally:
                 cancel.set()  # a client that went away stops its generation at the next chunk
 
+        check_capacity()
         return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions")

@@ -21,7 +21,7 @@ from draftsmith.drafters.mlp_speculator.export import (
     reexport_mlp_speculator,
 )
 from draftsmith.drafters.mlp_speculator.head import MLPSpeculator
-from draftsmith.drafters.mlp_speculator.proposer import MLPSpeculatorProposer
+from draftsmith.drafters.mlp_speculator.proposer import BatchMLPSpeculatorProposer, MLPSpeculatorProposer
 from draftsmith.drafters.mlp_speculator.train import MLPSpeculatorSpec, build_mlp_speculator
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.identity import target_identity
@@ -40,6 +40,10 @@ class LoadedMLPSpeculator(LoadedDrafter):
         return MLPSpeculatorProposer(
             self.head, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed
         )
+
+    def new_batch_proposer(self) -> BatchMLPSpeculatorProposer:
+        """Stages run once per step for the whole batch (``BatchMLPSpeculatorProposer``)."""
+        return BatchMLPSpeculatorProposer(self.head)
 
 
 class MLPSpeculatorDrafter(Drafter):

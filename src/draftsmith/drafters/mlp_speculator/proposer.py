@@ -16,14 +16,15 @@ n = 0) and the target's token t' follows it: the next chain starts from (final_h
 k larger than n_predict is refused (ValueError), as vLLM's ``generate_proposals`` refuses it: the head
 has no stage to draft token n_predict + 1 with. Greedy drafts (temperature 0) are argmax with q None;
 with temperature > 0 each draft is sampled from q = logits_to_probs(stage logits) and q is returned,
-as rejection sampling requires. Batch size 1.
+as rejection sampling requires. ``MLPSpeculatorProposer`` drafts for one sequence; ``BatchMLPSpeculatorProposer``
+runs each stage once for the whole batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftsmith.core.proposer import Proposal, Proposer
+from draftsmith.core.proposer import BatchProposer, Proposal, Proposer
 from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
 from draftsmith.drafters.mlp_speculator.head import MLPSpeculator
 
@@ -106,3 +107,67 @@ class MLPSpeculatorProposer(Proposer):
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:
         """New root: verify row ``n_accepted`` (it read d_n, or the last token when n = 0) and ``emitted[n]``."""
         self._root(target_step.final_hidden, n_accepted, int(emitted[n_accepted]))
+
+
+class BatchMLPSpeculatorProposer(BatchProposer):
+    """The MLP speculator over a batch: stage i runs ONCE for every row still drafting (``[B', H]`` states), each
+    row then draws its token with its own settings and generator, as ``MLPSpeculatorProposer`` does alone.
+
+    Args:
+        head: the speculator (eval mode is set), on the device where drafts are computed.
+
+    Raises:
+        ValueError: ``propose`` with some k > ``head.config.n_predict``.
+    """
+
+    needs_final_hidden = True
+
+    def __init__(self, head: MLPSpeculator):
+        self.head = head.eval()
+        self.device = head.proj[0].weight.device
+        self.rows: dict[int, MLPSpeculatorProposer] = {}  # per-row state, sampling and generator
+
+    def start(self, key, prompt_ids, first_token, target_step, sampling) -> None:
+        row = MLPSpeculatorProposer(
+            self.head, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed
+        )
+        row.start(prompt_ids, first_token, target_step)
+        self.rows[key] = row
+
+    @torch.inference_mode()
+    def propose(self, keys, ks) -> list[Proposal]:
+        n_predict = self.head.config.n_predict
+        if max(ks, default=0) > n_predict:
+            raise ValueError(
+                f"k={max(ks)} drafts asked of an MLP speculator with n_predict={n_predict} stages; use "
+                f"num_speculative_tokens <= {n_predict} or train a head with n_predict >= {max(ks)}"
+            )
+        rows = [self.rows[key] for key in keys]
+        drafting = [b for b, k in enumerate(ks) if k > 0]
+        tokens: list[list[int]] = [[] for _ in keys]
+        qs: list[list[torch.Tensor]] = [[] for _ in keys]
+        if drafting:
+            state = torch.cat([rows[b].state for b in drafting])  # [B', H]
+            last = torch.tensor([rows[b].last_token for b in drafting], device=self.device)
+            for i in range(max(ks[b] for b in drafting)):
+                state, logits = self.head.step(i, state, last)  # [B', D], [B', V]
+                drawn = []
+                for j, b in enumerate(drafting):
+                    if i < ks[b]:
+                        token, q = rows[b]._draw(logits[j])
+                        tokens[b].append(token)
+                        qs[b].append(q)
+                    drawn.append(tokens[b][-1])  # rows already done keep feeding their last draft (unused)
+                last = torch.tensor(drawn, device=self.device)
+        out = []
+        for b in range(len(keys)):
+            q = None if rows[b].temperature == 0 or not qs[b] else torch.stack(qs[b]).cpu()
+            out.append(Proposal(torch.tensor(tokens[b], dtype=torch.long), q))
+        return out
+
+    def accept(self, keys, n_accepted, emitted, step) -> None:
+        for b, key in enumerate(keys):
+            self.rows[key].accept(n_accepted[b], emitted[b], step.row(b))
+
+    def stop(self, key) -> None:
+        self.rows.pop(key, None)

@@ -1,0 +1,410 @@
+"""Many sequences per step: batched speculative verification with rows joining and leaving between steps.
+
+One ``BatchDecoder.step()``:
+  1. rows that finished or were cancelled leave (their cache rows and drafter state are dropped);
+  2. newcomers are prefilled within the step's token budget (``max_num_batched_tokens`` minus the tokens the
+     running rows read this step): whole prompts that fit are prefilled together in one ragged forward (while
+     padding to the longest adds at most ``PREFILL_PADDING``; logits of each row's last token only); the
+     first that does not fit is prefilled in chunks over several steps (chunked prefill), so running rows
+     never wait more than one budget's worth of prefill. A prefilled row takes its first token from the target,
+     ``BatchProposer.start``, and joins the running batch;
+  3. running rows: each asks for k'_b = min(k, max_new_tokens_b - emitted_b - 1) drafts (``BatchProposer.
+     propose``: one call for the batch); ONE target forward reads [last token_b, d_b1..d_bk'] for every row
+     (``TargetModel.forward_batch``: padded, per-row positions and masks); each row is verified alone (greedy or
+     rejection sampling with its own p, q, generator: ``verify.py``), keeps 1 + n_b slots of the cache
+     (``BatchKVCache.commit``: per-row rollback), records its counters and appends its tokens through the same
+     stop rules as one sequence (``generate._Output``).
+
+Row independence (tested): a row's drafts, p, q, random draws, stops and cache depend on that row only, so its
+output equals the same request decoded alone, whatever else is in the batch, up to the rounding of batched
+kernels (a GEMM's per-row result may depend on the batch size by ~1e-6 relative: on targets whose greedy argmax
+margins exceed that, tokens are identical; the bench counts every greedy response against the one served
+alone). A callback that raises ends its own row only (``BatchSequence.error``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from draftsmith.core.batch_cache import BatchKVCache
+from draftsmith.core.generate import (
+    GenerationConfig,
+    GenerationResult,
+    SpecStats,
+    VerifyStep,
+    _as_prompt,
+    _check_length,
+    _checked,
+    _next_token,
+    _Output,
+)
+from draftsmith.core.proposer import BatchProposer, Proposal, Sampling
+from draftsmith.core.sampling import seeded_generator
+from draftsmith.core.target import TargetModel, TargetStep
+from draftsmith.core.verify import verify_greedy, verify_sampling
+
+_keys = itertools.count()
+PREFILL_PADDING = 1.25  #: newcomers are prefilled together while padding adds at most 25% to their tokens
+
+
+@dataclass(eq=False)
+class BatchSequence:
+    """One request in a ``BatchDecoder``.
+
+    Args:
+        prompt_ids: ``[T]`` token ids. cfg: its decoding settings (temperature, seed, stops, max_new_tokens).
+        sampling: how its drafts are drawn (default: the request's temperature / top-k / top-p, seed None).
+        on_tokens: called with each emitted chunk after the stop rules; an exception it raises ends THIS row
+            (kept in ``error``), as in ``generate_speculative``.
+        on_step: called with each verify step of this row (``generate.VerifyStep``; draft_s / verify_s are the
+            whole batch step's, shared by its rows), before its tokens reach ``on_tokens``.
+
+    Attributes:
+        key: the row's id for the proposer. tokens: emitted so far. stats: its speculation counters.
+        finish_reason: 'stop' / 'length' once finished by a stop rule, else None. error: what a callback raised
+            (or ``cancel``'s reason). done: finished, failed or cancelled. result: ``GenerationResult`` once done
+            (without ``error``).
+    """
+
+    prompt_ids: object
+    cfg: GenerationConfig
+    sampling: Sampling | None = None
+    on_tokens: Callable[[list[int]], None] | None = None
+    on_step: Callable[[VerifyStep], None] | None = None
+    key: int = field(default_factory=lambda: next(_keys))
+    error: BaseException | None = None
+    done: bool = False
+    result: GenerationResult | None = None
+
+    def __post_init__(self):
+        self.prompt = _as_prompt(self.prompt_ids)
+        if self.sampling is None:
+            self.sampling = Sampling(self.cfg.temperature, self.cfg.top_k, self.cfg.top_p, None)
+        self.out = _Output(self.cfg, self.on_tokens)
+        self.stats: SpecStats | None = None
+        self.forwards = 0
+        self.prefilled = 0  # prompt tokens the target has read
+        self.cache: BatchKVCache | None = None  # own cache while prefilled in chunks
+        self.aux_chunks: list[torch.Tensor] = []
+        self.final_chunks: list[torch.Tensor] = []
+        self.generator: torch.Generator | None = None
+        self.started = False  # joined the running batch (proposer started)
+        self.start_s = 0.0  # seconds of proposer.start, reported with the first verify step
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.out.tokens
+
+    @property
+    def finish_reason(self):
+        return self.out.finish_reason
+
+
+class BatchDecoder:
+    """Continuous batching over one target and (optionally) one ``BatchProposer``.
+
+    Args:
+        target: the wrapped target (with the aux layers the proposer reads).
+        proposer: drafts for every row, or None (plain decoding: each step reads one token per row).
+        k: most drafts per row per step (>= 0).
+        max_num_seqs: most rows running at once (vLLM ``--max-num-seqs``); newcomers wait beyond it.
+        max_num_batched_tokens: tokens one step may read, decode rows and prefill chunks together (vLLM
+            ``--max-num-batched-tokens``); a step always makes progress (at least one prefill token when nothing
+            runs).
+
+    Raises:
+        ValueError: k < 0, max_num_seqs < 1, max_num_batched_tokens < 1, or a proposer reading aux states of
+            a target built without ``aux_layer_ids``.
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        proposer: BatchProposer | None,
+        k: int = 0,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+    ):
+        if k < 0:
+            raise ValueError(f"k must be >= 0, got {k}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}"
+            )
+        if proposer is not None and proposer.needs_aux_hidden and target.aux_layer_ids is None:
+            raise ValueError(
+                f"{type(proposer).__name__} reads the target's aux hidden states: build the "
+                f"TargetModel with aux_layer_ids (e.g. from the head's config)"
+            )
+        self.target, self.proposer = target, proposer
+        self.k = k if proposer is not None else 0
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.final_hidden = bool(proposer is not None and proposer.needs_final_hidden)
+        self.cache = BatchKVCache(target.model.config)
+        self.running: list[BatchSequence] = []  # in cache row order
+        self.waiting: list[BatchSequence] = []  # arrival order; the first may be partly prefilled
+
+    # -- requests --------------------------------------------------------------------------------------
+    def add(self, seq: BatchSequence) -> BatchSequence:
+        """Queue ``seq``; it joins at a coming step.
+
+        Raises:
+            ValueError: prompt + max_new_tokens beyond the target's position limit."""
+        _check_length(self.target, seq.prompt, seq.cfg)
+        seq.stats = SpecStats(k=self.k) if self.proposer is not None else None
+        if seq.out.finish_reason:  # max_new_tokens 0
+            self._finish(seq)
+        else:
+            self.waiting.append(seq)
+        return seq
+
+    def cancel(self, seq: BatchSequence, reason: BaseException | None = None) -> None:
+        """End ``seq`` at the next step (``error`` = ``reason``); the other rows are unaffected."""
+        if not seq.done:
+            seq.error = reason or RuntimeError("cancelled")
+            seq.done = True
+
+    @property
+    def has_work(self) -> bool:
+        """True while some sequence is waiting or running."""
+        return bool(self.running or self.waiting)
+
+    def abort(self, error: BaseException) -> list[BatchSequence]:
+        """End every waiting and running sequence with ``error`` (a step failed for the whole batch); returns them.
+        The decoder is empty and usable afterwards."""
+        ended = self.running + self.waiting
+        for seq in ended:
+            if self.proposer is not None and seq.started:
+                self.proposer.stop(seq.key)
+            if not seq.done:
+                seq.error, seq.done = error, True
+            seq.cache = None
+        self.running, self.waiting = [], []
+        self.cache = BatchKVCache(self.target.model.config)
+        return ended
+
+    # -- one step --------------------------------------------------------------------------------------
+    def step(self) -> list[BatchSequence]:
+        """Run one scheduler step (module docstring); returns the sequences that ended in it."""
+        ended = self._leave()
+        decode_tokens = sum(1 + self._requested(s) for s in self.running)
+        ended += self._prefill(max(0, self.max_num_batched_tokens - decode_tokens))
+        if self.running:
+            ended += self._decode()
+        ended += self._leave()
+        return ended
+
+    def run(self) -> None:
+        """Step until every queued sequence has ended."""
+        while self.has_work:
+            self.step()
+
+    def _requested(self, seq: BatchSequence) -> int:
+        return min(self.k, seq.cfg.max_new_tokens - len(seq.tokens) - 1)
+
+    def _finish(self, seq: BatchSequence) -> None:
+        seq.done = True
+        seq.cache = None
+        seq.aux_chunks, seq.final_chunks = [], []
+        if seq.error is None:
+            seq.result = GenerationResult(list(seq.tokens), seq.finish_reason, seq.stats, seq.forwards)
+
+    def _leave(self) -> list[BatchSequence]:
+        """Drop ended rows from the cache, the proposer and the queues."""
+        ended = []
+        gone = [b for b, s in enumerate(self.running) if s.done]
+        if gone:
+            self.cache.remove_rows(gone)
+            for b in gone:
+                seq = self.running[b]
+                if self.proposer is not None and seq.started:
+                    self.proposer.stop(seq.key)
+                ended.append(seq)
+            self.running = [s for s in self.running if not s.done]
+        for seq in [s for s in self.waiting if s.done]:
+            self.waiting.remove(seq)
+            ended.append(seq)
+        for seq in ended:
+            if seq.result is None and seq.error is None:
+                self._finish(seq)
+            else:
+                seq.cache = None
+        return ended
+
+    def _emit(self, seq: BatchSequence, tokens: list[int]) -> bool:
+        """Append through the stop rules; True when the row ended (a stop, or its callback raised)."""
+        try:
+            finished = seq.out.extend(tokens)
+        except Exception as e:  # noqa: BLE001 - the row's own callback: it ends this row only
+            seq.error = e
+            finished = True
+        if finished:
+            self._finish(seq)
+        return finished
+
+    # -- prefill ---------------------------------------------------------------------------------------
+    def _prefill(self, budget: int) -> list[BatchSequence]:
+        """Prefill waiting sequences within ``budget`` tokens (module docstring, step 2)."""
+        room = self.max_num_seqs - len(self.running)
+        if room <= 0 or not self.waiting:
+            return []
+        if budget <= 0 and self.running:
+            return []
+        budget = max(budget, 1)
+        head = self.waiting[0]
+        if head.prefilled or len(head.prompt) > budget:  # a long prompt: one chunk of it, alone
+            chunk = min(budget, len(head.prompt) - head.prefilled)
+            return self._prefill_group([head], [chunk])
+        group, longest, total = [], 0, 0
+        for seq in self.waiting[:room]:
+            n = len(seq.prompt)
+            padded = max(longest, n) * (len(group) + 1)  # a ragged forward pads every row to the longest
+            if n > budget or (group and padded > PREFILL_PADDING * (total + n)):
+                break
+            group.append(seq)
+            budget, longest, total = budget - n, max(longest, n), total + n
+        return self._prefill_group(group, [len(s.prompt) for s in group])
+
+    def _prefill_group(self, group: list[BatchSequence], chunks: list[int]) -> list[BatchSequence]:
+        """One forward over the next ``chunks[i]`` prompt tokens of each sequence of ``group``."""
+        if len(group) == 1 and group[0].cache is not None:
+            cache = group[0].cache
+        else:
+            cache = BatchKVCache(self.target.model.config)
+            for _ in group:
+                cache.add_empty_row()
+        inputs = [s.prompt[s.prefilled : s.prefilled + c] for s, c in zip(group, chunks)]
+        step = self.target.forward_batch(inputs, cache, final_hidden=self.final_hidden, last_only=True)
+        cache.commit(chunks)
+        ended, joined = [], []
+        for b, (seq, chunk) in enumerate(zip(group, chunks)):
+            seq.forwards += 1
+            seq.prefilled += chunk
+            row = step.row(b)
+            if self.proposer is not None and self.proposer.needs_aux_hidden:
+                seq.aux_chunks.append(row.aux_hidden)
+            if self.final_hidden:
+                seq.final_chunks.append(row.final_hidden)
+            if seq.prefilled < len(seq.prompt):
+                seq.cache = cache  # continues next step (a group of one)
+                continue
+            self.waiting.remove(seq)
+            seq.generator = seeded_generator(self.target.device, seq.cfg.seed)
+            first = _next_token(row.logits[-1], seq.cfg, seq.generator)
+            if self._emit(seq, [first]):
+                ended.append(seq)
+                continue
+            if self.proposer is not None:
+                prefill = TargetStep(
+                    logits=row.logits,
+                    aux_hidden=torch.cat(seq.aux_chunks) if seq.aux_chunks else None,
+                    final_hidden=torch.cat(seq.final_chunks) if seq.final_chunks else None,
+                )
+                t0 = time.perf_counter()
+                self.proposer.start(seq.key, seq.prompt, first, prefill, seq.sampling)
+                seq.start_s = time.perf_counter() - t0
+                seq.started = True
+            seq.aux_chunks, seq.final_chunks, seq.cache = [], [], None
+            joined.append(b)
+        finished_rows = [b for b, s in enumerate(group) if s.done or s.prefilled < len(s.prompt)]
+        if joined:
+            if finished_rows:
+                cache.remove_rows(finished_rows)
+            self.cache.merge(cache)
+            self.running += [group[b] for b in joined]
+        return ended
+
+    # -- decode ----------------------------------------------------------------------------------------
+    def _decode(self) -> list[BatchSequence]:
+        """One verify step over every running row (module docstring, step 3)."""
+        rows = self.running
+        keys = [s.key for s in rows]
+        ks = [self._requested(s) for s in rows]
+        t0 = time.perf_counter()
+        if self.proposer is not None:
+            proposals = self.proposer.propose(keys, ks)
+            if len(proposals) != len(rows):
+                raise ValueError(
+                    f"{type(self.proposer).__name__}.propose returned {len(proposals)} proposals for {len(rows)} rows"
+                )
+            proposals = [_checked(p, k, self.target.vocab_size, self.proposer) for p, k in zip(proposals, ks)]
+        else:
+            proposals = [Proposal.empty() for _ in rows]
+        t1 = time.perf_counter()
+        inputs = [torch.cat([torch.tensor(s.tokens[-1:]), p.tokens.cpu()]) for s, p in zip(rows, proposals)]
+        step = self.target.forward_batch(inputs, self.cache, final_hidden=self.final_hidden)
+        ns, emitted = [], []
+        for b, (seq, p) in enumerate(zip(rows, proposals)):
+            logits = step.logits[b, : p.tokens.numel() + 1]
+            if seq.cfg.greedy:
+                out, n = verify_greedy(p.tokens, logits)
+            else:
+                out, n = verify_sampling(p.tokens, p.q, seq.cfg.probs(logits), seq.generator)
+            ns.append(n)
+            emitted.append(out.cpu())
+        self.cache.commit([n + 1 for n in ns])
+        t2 = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.accept(keys, ns, emitted, step)
+        t3 = time.perf_counter()
+        ended = []
+        for seq, p, n, out in zip(rows, proposals, ns, emitted):
+            seq.forwards += 1
+            if seq.stats is not None:
+                seq.stats.record(p.tokens.numel(), n)
+            if seq.on_step is not None:
+                draft_s = (t1 - t0) + (t3 - t2) + seq.start_s
+                seq.start_s = 0.0
+                try:
+                    seq.on_step(VerifyStep(int(p.tokens.numel()), n, out.tolist(), draft_s, t2 - t1))
+                except Exception as e:  # noqa: BLE001 - ends this row only
+                    seq.error = e
+                    self._finish(seq)
+                    ended.append(seq)
+                    continue
+            if self._emit(seq, out.tolist()):
+                ended.append(seq)
+        return ended
+
+
+def generate_batch(
+    target: TargetModel,
+    proposer: BatchProposer | None,
+    prompts: Sequence,
+    cfgs: GenerationConfig | Sequence[GenerationConfig],
+    k: int = 0,
+    *,
+    samplings: Sequence[Sampling] | None = None,
+    max_num_seqs: int = 64,
+    max_num_batched_tokens: int = 2048,
+) -> list[GenerationResult]:
+    """Decode ``prompts`` together (at most ``max_num_seqs`` at once); results in prompt order.
+
+    Args:
+        prompts: ``[T_i]`` token ids each. cfgs: one ``GenerationConfig`` for all, or one per prompt.
+        samplings: the drafter's ``Sampling`` per prompt (default: each cfg's, seed None).
+
+    Raises:
+        ValueError: as ``BatchDecoder``; or the first error a row's decoding raised (none here: no callbacks).
+    """
+    cfgs = [cfgs] * len(prompts) if isinstance(cfgs, GenerationConfig) else list(cfgs)
+    if len(cfgs) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(cfgs)} generation configs")
+    decoder = BatchDecoder(
+        target, proposer, k, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+    )
+    seqs = [
+        decoder.add(BatchSequence(p, c, samplings[i] if samplings is not None else None))
+        for i, (p, c) in enumerate(zip(prompts, cfgs))
+    ]
+    decoder.run()
+    for seq in seqs:
+        if seq.error is not None:
+            raise seq.error
+    return [seq.result for seq in seqs]

@@ -1,0 +1,335 @@
+"""KV cache of a batch of sequences, each with its own length: slots, a validity mask, per-row rollback.
+
+The single-sequence cache (``cache.py``) rolls back by cropping. A batch cannot crop one row, so here the
+cache is a grid of slots, one tensor per layer ``[B, kv_heads, S, head_dim]``, and a boolean ``valid [B, S]``
+says which slots hold a token of that row:
+
+    slot           0    1    2    3    4    5    6    7
+    row 0 (seq a)  x0   x1   x2   t1   d1   d2   ·    ·      · = a hole: padding, or a rejected draft
+    row 1 (seq b)  y0   y1   ·    ·    t1   d1   d2   d3
+
+A forward over ``T`` new tokens per row writes slots ``S..S+T-1`` of every row (rows with fewer tokens are
+padded); a row's attention reads its valid slots only (``attention_mask``); RoPE positions are per row
+(``positions``: the row's token count, not the slot index). Rolling a row back marks its slots invalid
+(``commit``); slots invalid in every row at the end are cut (``trim``), so a batch of one never has a hole and
+runs with no mask at all, exactly as the single-sequence path. When holes exceed half of the slots, ``compact``
+moves each row's tokens to the left. Rows join (``merge``, from a newcomer prefilled in its own one-row cache:
+``add_empty_row``, then forwards) and leave (``remove_rows``) between steps; both copy the cache once.
+
+Layers write in place into buffers with spare capacity (``_SlotLayer``), where transformers' ``DynamicLayer``
+concatenates the whole cache at every forward.
+
+Supported: full-attention layers, and sliding-window layers, whose window is applied in the mask (all keys are
+kept; ``attention_mask`` returns one mask per layer type). Linear-attention (recurrent) layers cannot be rolled
+back per row and are refused.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+
+class _SlotLayer(DynamicLayer):
+    """One layer's keys/values ``[B, kv_heads, capacity, D]``; ``update`` writes slots ``S..S+T-1`` in place."""
+
+    is_sliding = False  # the window (if any) lives in the mask; all slots are kept
+
+    def __init__(self):
+        super().__init__()
+        self.filled = 0
+        self.k_buf: torch.Tensor | None = None
+        self.v_buf: torch.Tensor | None = None
+
+    def _reserve(self, shape_k, shape_v, dtype, device, need: int) -> None:
+        capacity = 0 if self.k_buf is None else self.k_buf.shape[2]
+        if need <= capacity:
+            return
+        capacity = max(need, 2 * capacity, 64)
+        k = torch.empty(shape_k[0], shape_k[1], capacity, shape_k[3], dtype=dtype, device=device)
+        v = torch.empty(shape_v[0], shape_v[1], capacity, shape_v[3], dtype=dtype, device=device)
+        if self.filled:
+            k[:, :, : self.filled] = self.k_buf[:, :, : self.filled]
+            v[:, :, : self.filled] = self.v_buf[:, :, : self.filled]
+        self.k_buf, self.v_buf = k, v
+
+    def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Replace the contents by ``keys`` / ``values`` ``[B, kv_heads, S, D]``."""
+        self.k_buf = self.v_buf = None
+        self.filled = 0
+        self.is_initialized = True
+        self.device, self.dtype = keys.device, keys.dtype
+        self._reserve(keys.shape, values.shape, keys.dtype, keys.device, keys.shape[2])
+        self.k_buf[:, :, : keys.shape[2]] = keys
+        self.v_buf[:, :, : values.shape[2]] = values
+        self.filled = keys.shape[2]
+        self._views()
+
+    def _views(self) -> None:
+        self.keys = self.k_buf[:, :, : self.filled]
+        self.values = self.v_buf[:, :, : self.filled]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.is_initialized = True
+            self.device, self.dtype = key_states.device, key_states.dtype
+        t = key_states.shape[2]
+        self._reserve(key_states.shape, value_states.shape, key_states.dtype, key_states.device, self.filled + t)
+        self.k_buf[:, :, self.filled : self.filled + t] = key_states
+        self.v_buf[:, :, self.filled : self.filled + t] = value_states
+        self.filled += t
+        self._views()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.filled
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count (tokens to drop from the end)")
+        self.filled = max(0, self.filled + tokens_to_remove)
+        if self.k_buf is not None:
+            self._views()
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.k_buf is not None:
+            self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
+            self._views()
+
+
+def _layer_windows(config) -> list[int | None]:
+    """Per decoder layer: its sliding window (tokens), or None for full attention.
+
+    Raises:
+        ValueError: a layer type that is neither full nor sliding attention (linear attention / recurrent)."""
+    c = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = int(c.num_hidden_layers)
+    window = getattr(c, "sliding_window", None)
+    types = getattr(c, "layer_types", None)
+    if types is None:
+        return [window if window else None] * n
+    out = []
+    for kind in types[:n]:
+        if kind == "full_attention":
+            out.append(None)
+        elif kind in ("sliding_attention", "chunked_attention") and window:
+            out.append(int(window))
+        else:
+            raise ValueError(
+                f"layer type {kind!r} cannot be rolled back per row: the batched runtime serves attention-only "
+                "targets (full or sliding-window attention)"
+            )
+    return out
+
+
+class BatchKVCache:
+    """KV cache of B sequences of different lengths (module docstring).
+
+    Args:
+        config: the model's ``PretrainedConfig`` (layer count and types; sliding windows).
+
+    Attributes:
+        hf: the transformers ``Cache`` to pass as ``model(..., cache=...)``.
+        valid: ``[B, S]`` bool, slots holding a token of the row. slot_pos: ``[B, S]`` int64, each slot's position.
+        lengths: ``[B]`` tokens per row (the position of its next token).
+
+    Raises:
+        ValueError: a layer type that cannot be rolled back per row (``_layer_windows``).
+    """
+
+    def __init__(self, config):
+        self.windows = _layer_windows(config)
+        self.hf = Cache(layer_class_to_replicate=_SlotLayer)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+        self.slot_pos = torch.zeros(0, 0, dtype=torch.long)
+        self.lengths: list[int] = []
+        self._pending: tuple[int, list[int]] | None = None
+
+    # -- shape ------------------------------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """B, the rows."""
+        return len(self.lengths)
+
+    @property
+    def slots(self) -> int:
+        """S, slots per row (valid or not)."""
+        return int(self.valid.shape[1])
+
+    def has_holes(self) -> bool:
+        """True when some row has an invalid slot (the forward then needs ``attention_mask``)."""
+        return bool(self.valid.numel()) and not bool(self.valid.all())
+
+    # -- rows join and leave ----------------------------------------------------------------------------
+    def add_empty_row(self) -> int:
+        """Append a row with no tokens yet (its prefill is the next forward); returns its row index.
+
+        Raises:
+            ValueError: the cache already holds tokens (rows join through ``merge``, from their own prefill)."""
+        if self.slots:
+            raise ValueError("add empty rows to an empty cache only; merge a prefilled cache instead")
+        self.lengths.append(0)
+        self.valid = torch.zeros(self.batch_size, 0, dtype=torch.bool)
+        self.slot_pos = torch.zeros(self.batch_size, 0, dtype=torch.long)
+        return self.batch_size - 1
+
+    def merge(self, other: "BatchKVCache") -> list[int]:
+        """Append ``other``'s rows (e.g. a newcomer prefilled in its own cache); returns their row indices.
+
+        Raises:
+            ValueError: ``other`` has a row with no token, or another layer count."""
+        if min(other.lengths, default=1) < 1:
+            raise ValueError("cannot merge a row with no tokens (prefill it first)")
+        if not self.batch_size:
+            self.hf, self.valid, self.slot_pos, self.lengths = (
+                other.hf,
+                other.valid,
+                other.slot_pos,
+                list(other.lengths),
+            )
+            other._reset()
+            return list(range(self.batch_size))
+        if len(other.hf.layers) != len(self.hf.layers):
+            raise ValueError(f"cannot merge caches of {len(other.hf.layers)} and {len(self.hf.layers)} layers")
+        s = max(self.slots, other.slots)
+        self._pad_slots(s)
+        other._pad_slots(s)
+        for dst, src in zip(self.hf.layers, other.hf.layers):
+            dst.set(torch.cat([dst.keys, src.keys], dim=0), torch.cat([dst.values, src.values], dim=0))
+        first = self.batch_size
+        self.valid = torch.cat([self.valid, other.valid])
+        self.slot_pos = torch.cat([self.slot_pos, other.slot_pos])
+        self.lengths += other.lengths
+        other._reset()
+        return list(range(first, self.batch_size))
+
+    def remove_rows(self, rows: list[int]) -> None:
+        """Drop the rows ``rows`` (indices); the others keep their order."""
+        drop = set(rows)
+        keep = [b for b in range(self.batch_size) if b not in drop]
+        if len(keep) == self.batch_size:
+            return
+        if not keep:
+            self._reset()
+            return
+        index = torch.tensor(keep, dtype=torch.long)
+        for layer in self.hf.layers:
+            layer.batch_select_indices(index.to(layer.k_buf.device) if layer.k_buf is not None else index)
+        self.valid, self.slot_pos = self.valid[index], self.slot_pos[index]
+        self.lengths = [self.lengths[b] for b in keep]
+        self.trim()
+
+    def _reset(self) -> None:
+        self.hf = Cache(layer_class_to_replicate=_SlotLayer)
+        self.valid = torch.zeros(0, 0, dtype=torch.bool)
+        self.slot_pos = torch.zeros(0, 0, dtype=torch.long)
+        self.lengths = []
+
+    def _pad_slots(self, s: int) -> None:
+        """Grow every row to ``s`` slots (holes at the end)."""
+        extra = s - self.slots
+        if extra <= 0 or not self.batch_size:
+            if not self.batch_size:
+                self.valid = torch.zeros(0, s, dtype=torch.bool)
+                self.slot_pos = torch.zeros(0, s, dtype=torch.long)
+            return
+        for layer in self.hf.layers:
+            layer.update(
+                layer.keys.new_zeros(layer.keys.shape[0], layer.keys.shape[1], extra, layer.keys.shape[3]),
+                layer.values.new_zeros(layer.values.shape[0], layer.values.shape[1], extra, layer.values.shape[3]),
+            )
+        b = self.batch_size
+        self.valid = torch.cat([self.valid, torch.zeros(b, extra, dtype=torch.bool)], dim=1)
+        self.slot_pos = torch.cat([self.slot_pos, torch.zeros(b, extra, dtype=torch.long)], dim=1)
+
+    # -- a forward over new tokens ----------------------------------------------------------------------
+    def begin(self, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
+        """Prepare a forward that reads ``counts[b]`` (>= 1) new tokens of row b, padded to T = max(counts).
+
+        Returns:
+            ``(position_ids [B, T], attention_mask)``: the mask is None when no row has a hole and every row
+            reads T tokens (transformers builds the causal mask itself, as for one sequence); else a 4D mask
+            ``[B, 1, T, S+T]`` (bool: True attends), or a dict of them by layer type when the model mixes full
+            and sliding-window layers. The new slots are marked valid (``commit`` then rolls back what is not kept).
+
+        Raises:
+            ValueError: ``counts`` does not have one entry >= 1 per row.
+        """
+        if len(counts) != self.batch_size or min(counts, default=1) < 1:
+            raise ValueError(f"need one count >= 1 per row ({self.batch_size} rows), got {counts}")
+        b, t, s = self.batch_size, max(counts), self.slots
+        lengths = torch.tensor(self.lengths, dtype=torch.long)
+        positions = lengths[:, None] + torch.arange(t)[None]  # [B, T]
+        ragged = min(counts) != t
+        need_mask = self.has_holes() or ragged or any(w is not None for w in self.windows)
+        mask = self._mask(positions) if need_mask else None
+        self.valid = torch.cat([self.valid, torch.ones(b, t, dtype=torch.bool)], dim=1)
+        self.slot_pos = torch.cat([self.slot_pos, positions], dim=1)
+        self._pending = (s, list(counts))
+        return positions, mask
+
+    def _mask(self, positions: torch.Tensor):
+        b, t = positions.shape
+        s = self.slots
+        new_valid = torch.ones(b, t, dtype=torch.bool)
+        key_valid = torch.cat([self.valid, new_valid], dim=1)  # [B, S+T]
+        key_pos = torch.cat([self.slot_pos, positions], dim=1)  # [B, S+T]
+        causal = torch.ones(t, s + t, dtype=torch.bool).tril(diagonal=s)  # query i reads slots <= s+i
+        base = key_valid[:, None, :] & causal[None]  # [B, T, S+T]
+        masks = {}
+        for window in sorted(set(self.windows), key=lambda w: -1 if w is None else w):
+            m = base
+            if window is not None:  # transformers' sliding window: q_pos - k_pos < window
+                m = base & (positions[:, :, None] - key_pos[:, None, :] < window)
+            masks[window] = m[:, None]  # [B, 1, T, S+T]
+        if len(masks) == 1:
+            return next(iter(masks.values()))
+        full = masks.get(None)
+        sliding = next(m for w, m in masks.items() if w is not None)
+        return {"full_attention": full if full is not None else sliding, "sliding_attention": sliding}
+
+    def commit(self, kept: list[int]) -> None:
+        """After the forward prepared by ``begin``: row b keeps its first ``kept[b]`` (1..counts[b]) new tokens,
+        the rest (rejected drafts, padding) are rolled back; then ``trim``.
+
+        Raises:
+            ValueError: no forward is pending, or a count outside 1..counts[b]."""
+        if self._pending is None:
+            raise ValueError("commit() without a pending forward (call begin() first)")
+        start, counts = self._pending
+        if len(kept) != len(counts) or any(not 1 <= n <= c for n, c in zip(kept, counts)):
+            raise ValueError(f"rows read {counts} new tokens; cannot keep {kept}")
+        for row, n in enumerate(kept):
+            self.valid[row, start + n :] = False
+            self.lengths[row] += n
+        self._pending = None
+        self.trim()
+
+    def trim(self) -> None:
+        """Cut trailing slots invalid in every row; ``compact`` when holes exceed half of the slots."""
+        if not self.batch_size:
+            return
+        any_valid = self.valid.any(dim=0)
+        used = int(any_valid.nonzero().max()) + 1 if bool(any_valid.any()) else 0
+        if used < self.slots:
+            for layer in self.hf.layers:
+                layer.crop(-(self.slots - used))
+            self.valid, self.slot_pos = self.valid[:, :used], self.slot_pos[:, :used]
+        if self.slots > 2 * max(self.lengths) + 16:
+            self.compact()
+
+    def compact(self) -> None:
+        """Move each row's valid slots to the left (order kept); S becomes the longest row."""
+        s = max(self.lengths)
+        order = torch.sort((~self.valid).to(torch.int8), dim=1, stable=True).indices[:, :s]  # valid first
+        for layer in self.hf.layers:
+            idx = order.to(layer.keys.device)[:, None, :, None]
+            layer.set(
+                layer.keys.gather(2, idx.expand(-1, layer.keys.shape[1], -1, layer.keys.shape[3])),
+                layer.values.gather(2, idx.expand(-1, layer.values.shape[1], -1, layer.values.shape[3])),
+            )
+        self.valid = self.valid.gather(1, order)
+        self.slot_pos = self.slot_pos.gather(1, order)
+
+    def __repr__(self) -> str:
+        return f"BatchKVCache(rows={self.batch_size}, slots={self.slots}, lengths={self.lengths})"

@@ -1,0 +1,145 @@
+"""The engine's scheduler: one thread steps a ``core.batch.BatchDecoder``; requests join and leave between steps.
+
+    scheduler = Scheduler(decoder, metrics, max_waiting=1024)
+    job = scheduler.submit(seq, cancel=threading.Event())    # from any thread; raises EngineOverloaded when full
+    job.wait()                                               # seq.done; seq.result or seq.error
+
+Continuous batching as vLLM's scheduler does it (``vllm/v1/core/sched/scheduler.py``): every step runs the
+rows that are running plus as much prefill of newcomers as the token budget leaves (``BatchDecoder``:
+``max_num_seqs``, ``max_num_batched_tokens``, chunked prefill of long prompts). Requests beyond
+``max_num_seqs`` wait; beyond ``max_waiting`` waiting requests a new one is refused at once
+(``EngineOverloaded``; the server answers 429, as TGI does past ``--max-concurrent-requests``) rather than
+queued for minutes. A cancelled request (its ``cancel`` event set: the client went away) leaves at the next
+step, waiting or running. Callbacks of a sequence (tokens, text, stops) run on the scheduler thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+from draftsmith.core.batch import BatchDecoder, BatchSequence
+from draftsmith.serve.metrics import EngineMetrics
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(Exception):
+    """The waiting queue is full: the request was not queued (HTTP 429)."""
+
+
+class RequestCancelled(Exception):
+    """The request's ``cancel`` event was set (e.g. the client went away)."""
+
+
+class Job:
+    """A submitted sequence: ``wait()`` blocks until it ended (``seq.result`` or ``seq.error``)."""
+
+    def __init__(self, seq: BatchSequence, cancel: threading.Event | None):
+        self.seq, self.cancel = seq, cancel
+        self.ended = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once the sequence ended (within ``timeout`` seconds)."""
+        return self.ended.wait(timeout)
+
+
+class Scheduler:
+    """Runs ``decoder`` on a daemon thread (started at the first submit) until ``close()``.
+
+    Args:
+        decoder: the batch decoder (its target, proposer, k, max_num_seqs, max_num_batched_tokens).
+        metrics: where the running / waiting gauges go (``EngineMetrics.set_queue``).
+        max_waiting: most requests waiting (queued or being prefilled) before new ones are refused.
+
+    Raises:
+        ValueError: max_waiting < 1.
+    """
+
+    def __init__(self, decoder: BatchDecoder, metrics: EngineMetrics | None = None, max_waiting: int = 1024):
+        if max_waiting < 1:
+            raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
+        self.decoder, self.metrics, self.max_waiting = decoder, metrics, max_waiting
+        self._inbox: deque[Job] = deque()
+        self._jobs: dict[int, Job] = {}  # key -> job, for every sequence in the decoder
+        self._wake = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet running."""
+        return len(self._inbox) + len(self.decoder.waiting)
+
+    @property
+    def num_running(self) -> int:
+        """Sequences in the running batch."""
+        return len(self.decoder.running)
+
+    def submit(self, seq: BatchSequence, cancel: threading.Event | None = None) -> Job:
+        """Queue ``seq`` for the next step.
+
+        Raises:
+            EngineOverloaded: ``max_waiting`` requests are already waiting.
+            RuntimeError: the scheduler was closed.
+        """
+        job = Job(seq, cancel)
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the engine's scheduler is closed")
+            if self.num_waiting >= self.max_waiting:
+                raise EngineOverloaded(
+                    f"the server is at capacity: {self.num_running} requests running and {self.num_waiting} "
+                    f"waiting (--max-waiting-requests {self.max_waiting}); retry later"
+                )
+            self._inbox.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="draftsmith-scheduler", daemon=True)
+                self._thread.start()
+            self._wake.notify()
+        return job
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread after its current step; sequences still queued or running end with ``RuntimeError``."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        decoder = self.decoder
+        while True:
+            with self._wake:
+                while not self._closed and not self._inbox and not decoder.has_work:
+                    self._wake.wait()
+                if self._closed:
+                    break
+                arrivals = list(self._inbox)
+                self._inbox.clear()
+            for job in arrivals:
+                try:
+                    decoder.add(job.seq)
+                except Exception as e:  # noqa: BLE001 - a request the decoder refuses ends alone
+                    job.seq.error, job.seq.done = e, True
+                    job.ended.set()
+                    continue
+                self._jobs[job.seq.key] = job
+            for job in list(self._jobs.values()):
+                if job.cancel is not None and job.cancel.is_set() and not job.seq.done:
+                    decoder.cancel(job.seq, RequestCancelled())
+            try:
+                ended = decoder.step()
+            except Exception as e:  # noqa: BLE001 - a fault of the batch: every request in it fails, loudly
+                logger.exception("a batch step failed; failing its %d requests", len(self._jobs))
+                ended = decoder.abort(e)
+            for seq in ended:
+                job = self._jobs.pop(seq.key, None)
+                if job is not None:
+                    job.ended.set()
+            if self.metrics is not None:
+                self.metrics.set_queue(self.num_running, self.num_waiting)
+        for job in list(self._jobs.values()) + list(self._inbox):
+            job.seq.error, job.seq.done = job.seq.error or RuntimeError("the engine was shut down"), True
+            job.ended.set()
