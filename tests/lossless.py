@@ -33,10 +33,11 @@ ALPHA = 1e-3
 class TrigramLM(nn.Module):
     """Stub causal LM: logits after token x_t are ``table[x_{t-1}, x_t]`` (x_{-1} = 0), for a [V, V, V] table.
 
-    Called like a transformers causal LM by ``TargetModel``: ``model(input_ids=[1, T], position_ids,
-    output_hidden_states, cache=DynamicCache)``. The tokens read so far are stored as the keys of every cache
-    layer, so the previous token comes from the cache (a bad crop shows). ``hidden_states`` (LAYERS + 1 tensors
-    [1, T, H]) are fixed random embeddings of each token per layer, enough to drive an EAGLE-3 head.
+    Called like a transformers causal LM by ``TargetModel``: ``model(input_ids=[B, T], position_ids,
+    output_hidden_states, cache=..., attention_mask=None or 4D, logits_to_keep)``. The tokens read so far are
+    stored as the keys of every cache layer, so the previous token comes from the cache (a bad crop or a bad
+    per-row mask shows). ``hidden_states`` (LAYERS + 1 tensors [B, T, H]) are fixed random embeddings of each
+    token per layer, enough to drive an EAGLE-3 head.
     """
 
     def __init__(self, table: torch.Tensor, seed: int = 0):
@@ -72,17 +73,44 @@ class TrigramLM(nn.Module):
     def get_decoder(self):
         return self
 
-    def forward(self, input_ids, position_ids=None, output_hidden_states=False, cache=None, use_cache=True):
-        ids = input_ids[0]
-        past = cache.layers[0].keys[0, 0, :, 0].long() if cache.get_seq_length() else ids.new_zeros(1)
-        prev = torch.cat([past[-1:], ids[:-1]])
+    def forward(
+        self,
+        input_ids,
+        position_ids=None,
+        output_hidden_states=False,
+        cache=None,
+        use_cache=True,
+        attention_mask=None,
+        logits_to_keep=0,
+    ):
+        """``input_ids [B, T]``; the token before each query is the latest key it attends to (a 4D
+        ``attention_mask`` of the batched runtime: bool, or additive with 0 = attend), so a wrong per-row
+        rollback or mask changes the logits."""
+        b, t = input_ids.shape
         for layer in range(LAYERS):
-            keys = ids.float().view(1, 1, -1, 1)
-            cache.update(keys, keys, layer)
-        hidden = tuple(self.layer_states[i][ids][None] for i in range(LAYERS + 1)) if output_hidden_states else None
-        self.lm_head(self.layer_states[LAYERS][ids][None])  # applied once like a real LM's head: the MLP
-        # speculator reads its input (TargetModel final_hidden); the logits still come from the table
-        return SimpleNamespace(logits=self.table[prev, ids][None], hidden_states=hidden)
+            new = input_ids.float().view(b, 1, t, 1)
+            keys, _ = cache.update(new, new, layer)
+        keys = keys[:, 0, :, 0].long()  # [B, S+T]: every cached token
+        s = keys.shape[1] - t
+        if attention_mask is None:
+            attend = torch.ones(t, s + t, dtype=torch.bool).tril(diagonal=s)[None].expand(b, -1, -1)
+        else:
+            mask = attention_mask[:, 0]
+            attend = mask if mask.dtype == torch.bool else mask == 0  # [B, T, S+T]
+        own = torch.arange(s, s + t)  # each query's own slot
+        earlier = attend & (torch.arange(s + t)[None, None, :] < own[None, :, None])
+        slot = torch.where(earlier, torch.arange(s + t), -1).max(dim=-1).values  # [B, T]: latest attended key
+        prev = torch.where(slot >= 0, keys.gather(1, slot.clamp_min(0)), 0)
+        hidden = tuple(self.layer_states[i][input_ids] for i in range(LAYERS + 1)) if output_hidden_states else None
+        logits = self.table[prev, input_ids]  # [B, T, V]
+        final = self.layer_states[LAYERS][input_ids]
+        if isinstance(logits_to_keep, torch.Tensor):
+            logits, final = logits[:, logits_to_keep], final[:, logits_to_keep]
+        elif logits_to_keep:
+            logits, final = logits[:, -logits_to_keep:], final[:, -logits_to_keep:]
+        self.lm_head(final)  # applied once like a real LM's head: the MLP speculator reads its input
+        # (TargetModel final_hidden); the logits still come from the table
+        return SimpleNamespace(logits=logits, hidden_states=hidden)
 
 
 def _table(seed: int, scale: float = 1.5) -> torch.Tensor:
@@ -194,6 +222,35 @@ def run_trials(
             stats = stats.merge(result.stats)
         out[seed] = torch.tensor(result.tokens)
     return out, stats
+
+
+def run_trials_batched(
+    target, batch_proposer, settings: dict, batch_size: int, trials: int = TRIALS, k: int = K
+) -> tuple[torch.Tensor, SpecStats]:
+    """As ``run_trials``, decoded ``batch_size`` trials at a time by the batched runtime (``core.batch``): trial
+    ``seed`` samples with target seed ``seed`` and drafter seed ``draft_seed(seed)``; ``batch_proposer`` serves
+    every row (None: plain sampling). Rows join as earlier ones finish (continuous batching)."""
+    from draftsmith.core.batch import generate_batch
+    from draftsmith.core.generate import GenerationConfig
+    from draftsmith.core.proposer import Sampling
+    from draftsmith.drafters.base import draft_seed
+
+    cfgs = [GenerationConfig(max_new_tokens=NEW, seed=seed, **settings) for seed in range(trials)]
+    samplings = [Sampling(seed=draft_seed(seed), **settings) for seed in range(trials)]
+    results = generate_batch(
+        target,
+        batch_proposer,
+        [PROMPT] * trials,
+        cfgs,
+        k if batch_proposer is not None else 0,
+        samplings=samplings,
+        max_num_seqs=batch_size,
+    )
+    stats = SpecStats(k=k)
+    for r in results:
+        if r.stats is not None:
+            stats = stats.merge(r.stats)
+    return torch.tensor([r.tokens for r in results]), stats
 
 
 def check_lossless(seqs: torch.Tensor, plain: torch.Tensor, settings: dict) -> None:

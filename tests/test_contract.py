@@ -10,7 +10,11 @@ Each test is parametrised over ``drafters.names()``; a drafter is served from wh
 - ``export``: an export re-exported (read, checked, written again) is bit-identical, tensor by tensor;
 - ``refusal``: another target is refused, the error naming the field that differs;
 - ``serve``: the HTTP server answers with the plain text and counts the drafts in /metrics;
-- ``train``: one training step, and a run interrupted after its first checkpoint resumes to the same weights.
+- ``train``: one training step, and a run interrupted after its first checkpoint resumes to the same weights;
+- ``batch``: in the batched runtime (``core.batch``: rows joining and leaving, chunked prefill, a queue), each
+  greedy sequence equals plain greedy alone and its counters equal the engine's for it alone; sampling in batches
+  of 1, 4 and 16 follows the target's law; a row that stops, hits max_tokens or is cancelled mid-run leaves the
+  other rows' outputs unchanged.
 
 A drafter that cannot meet a contract says so in ``Drafter.opt_outs`` (contract name -> reason); the test is
 then skipped with that reason, and ``test_opt_outs_name_contracts`` keeps those names honest.
@@ -26,12 +30,13 @@ from safetensors.torch import load_file
 
 from conftest import make_tiny_llama, make_word_tokenizer
 from draftsmith import drafters, reference
+from draftsmith.core.batch import BatchDecoder, BatchSequence
 from draftsmith.core.generate import GenerationConfig, generate_plain
 from draftsmith.core.target import TargetModel
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.serve.engine import Engine
 
-CONTRACTS = ("greedy", "lossless", "export", "refusal", "serve", "train")
+CONTRACTS = ("greedy", "lossless", "export", "refusal", "serve", "train", "batch")
 NAMES = drafters.names()
 
 
@@ -153,6 +158,120 @@ def test_sampling_is_lossless(stub, name, temperature):
     lossless.check_counters(stats)
     assert stats.num_drafts >= lossless.TRIALS and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     lossless.check_lossless(seqs, plain[temperature], settings)
+
+
+# --------------------------------------------------------------------------------------------- batched
+
+
+def _varied(prompts: list[list[int]]) -> list[list[int]]:
+    """The prompts and prefixes of them: six sequences of different lengths."""
+    return [p[: max(2, len(p) * f // 4)] for f in (4, 2, 3) for p in prompts]
+
+
+def _row_stats(stats) -> tuple:
+    return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, tuple(stats.accepted_per_pos)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_batched_greedy_equals_each_sequence_alone(served, target, name):
+    """Six sequences with different prompt lengths and max_tokens, at most 4 running, a token budget that chunks
+    the prefill, half of them joining after two steps: each equals plain greedy alone, and its counters equal
+    the engine's for it alone (the batched drafter drafts what the drafter drafts for one sequence)."""
+    honour_opt_out(name, "batch")
+    model, tok, prompts, spec = served(target, name)
+    engine = Engine(model, tok, spec.with_k(3))
+    prompts = _varied(prompts)
+    cfgs = [GenerationConfig(max_new_tokens=n, eos_token_ids=engine.eos_token_ids) for n in (24, 8, 16, 24, 12, 20)]
+    plain = [generate_plain(TargetModel(model, tok), p, c).tokens for p, c in zip(prompts, cfgs)]
+    alone = [engine.generate(p, c).stats for p, c in zip(prompts, cfgs)]
+    decoder = BatchDecoder(
+        engine.target, engine.drafter.new_batch_proposer(), 3, max_num_seqs=4, max_num_batched_tokens=40
+    )
+    seqs = [BatchSequence(p, c) for p, c in zip(prompts, cfgs)]
+    for seq in seqs[:3]:
+        decoder.add(seq)
+    decoder.step()
+    decoder.step()
+    for seq in seqs[3:]:
+        decoder.add(seq)
+    decoder.run()
+    for i, seq in enumerate(seqs):
+        assert seq.error is None and seq.result.tokens == plain[i], f"{name} on {target}: sequence {i} differs"
+        assert _row_stats(seq.stats) == _row_stats(alone[i]), f"{name} on {target}: sequence {i} drafted otherwise"
+    assert sum(s.stats.num_drafts for s in seqs) > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("batch_size", [1, 4, 16])
+def test_batched_sampling_is_lossless(stub, name, batch_size):
+    """Sampling at T = 1 in batches of 1, 4 and 16 (each row its own seeds) follows the exact law and plain
+    sampling, pair by pair (``tests/lossless.py``), with drafts accepted and rejected."""
+    import lossless
+
+    honour_opt_out(name, "batch")
+    model, tok, plain, workdir = stub
+    spec = drafters.get(name).example(model, tok, workdir / f"batch-{name}").with_k(lossless.K)
+    engine = Engine(model, tok, spec)
+    settings = {"temperature": 1.0}
+    seqs, stats = lossless.run_trials_batched(engine.target, engine.drafter.new_batch_proposer(), settings, batch_size)
+    lossless.check_counters(stats)
+    assert stats.num_drafts >= lossless.TRIALS and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    lossless.check_lossless(seqs, plain[1.0], settings)
+
+
+class _EndAt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_row_that_ends_leaves_the_others_unchanged(served, name, temperature):
+    """In one batch: a row whose callback stops it at its second chunk (a stop string, a client gone), a row
+    with max_tokens 3, a row cancelled after two steps; the two others decode exactly what they decode alone
+    (sampling: seeded, the same draws)."""
+    honour_opt_out(name, "batch")
+    model, tok, prompts, spec = served("tiny", name)
+    engine = Engine(model, tok, spec.with_k(3))
+    prompts = _varied(prompts)[:5]
+
+    def cfg(i, n=20):
+        return GenerationConfig(max_new_tokens=n, temperature=temperature, seed=100 + i)
+
+    def decode(rows):
+        decoder = BatchDecoder(engine.target, engine.drafter.new_batch_proposer(), 3)
+        for seq in rows:
+            decoder.add(seq)
+        return decoder
+
+    alone = []
+    for i in (3, 4):
+        lone = BatchSequence(prompts[i], cfg(i))
+        decode([lone]).run()
+        alone.append(lone.result.tokens)
+    calls = []
+
+    def end_at_second(chunk):
+        calls.append(chunk)
+        if len(calls) == 2:
+            raise _EndAt
+
+    rows = [
+        BatchSequence(prompts[0], cfg(0), on_tokens=end_at_second),
+        BatchSequence(prompts[1], cfg(1, n=3)),
+        BatchSequence(prompts[2], cfg(2)),
+        BatchSequence(prompts[3], cfg(3)),
+        BatchSequence(prompts[4], cfg(4)),
+    ]
+    decoder = decode(rows)
+    decoder.step()
+    decoder.step()
+    decoder.cancel(rows[2])
+    decoder.run()
+    assert isinstance(rows[0].error, _EndAt) and rows[1].result.finish_reason == "length"
+    assert len(rows[1].result.tokens) == 3 and rows[2].error is not None
+    for row, want in zip(rows[3:], alone):
+        assert row.result.tokens == want, f"{name} T={temperature}: a row that ended changed another's output"
 
 
 # ------------------------------------------------------------------------------------ export / refusal

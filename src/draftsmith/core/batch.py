@@ -44,7 +44,7 @@ from draftsmith.core.generate import (
     _Output,
 )
 from draftsmith.core.proposer import BatchProposer, Proposal, Sampling
-from draftsmith.core.sampling import seeded_generator
+from draftsmith.core.sampling import draft_seed, seeded_generator
 from draftsmith.core.target import TargetModel, TargetStep
 from draftsmith.core.verify import verify_greedy, verify_sampling
 
@@ -58,7 +58,8 @@ class BatchSequence:
 
     Args:
         prompt_ids: ``[T]`` token ids. cfg: its decoding settings (temperature, seed, stops, max_new_tokens).
-        sampling: how its drafts are drawn (default: the request's temperature / top-k / top-p, seed None).
+        sampling: how its drafts are drawn (default: the request's temperature / top-k / top-p, seeded
+            ``draft_seed(cfg.seed)``, as the engine does).
         on_tokens: called with each emitted chunk after the stop rules; an exception it raises ends THIS row
             (kept in ``error``), as in ``generate_speculative``.
         on_step: called with each verify step of this row (``generate.VerifyStep``; draft_s / verify_s are the
@@ -84,7 +85,7 @@ class BatchSequence:
     def __post_init__(self):
         self.prompt = _as_prompt(self.prompt_ids)
         if self.sampling is None:
-            self.sampling = Sampling(self.cfg.temperature, self.cfg.top_k, self.cfg.top_p, None)
+            self.sampling = Sampling(self.cfg.temperature, self.cfg.top_k, self.cfg.top_p, draft_seed(self.cfg.seed))
         self.out = _Output(self.cfg, self.on_tokens)
         self.stats: SpecStats | None = None
         self.forwards = 0
@@ -388,7 +389,7 @@ def generate_batch(
 
     Args:
         prompts: ``[T_i]`` token ids each. cfgs: one ``GenerationConfig`` for all, or one per prompt.
-        samplings: the drafter's ``Sampling`` per prompt (default: each cfg's, seed None).
+        samplings: the drafter's ``Sampling`` per prompt (default: each cfg's, seeded ``draft_seed(cfg.seed)``).
 
     Raises:
         ValueError: as ``BatchDecoder``; or the first error a row's decoding raised (none here: no callbacks).

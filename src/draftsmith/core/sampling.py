@@ -67,6 +67,15 @@ def residual_probs(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(torch.float32).tiny), p)
 
 
+DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # request seed + offset seeds the drafter's sampling generator
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """The drafter's sampling seed for a request seeded ``seed``: offset, so that the drafter's generator does not
+    replay the target's random stream (same seed -> correlated draws); None stays None (nondeterministic)."""
+    return None if seed is None else (int(seed) + DRAFT_SEED_OFFSET) % 2**63
+
+
 def seeded_generator(device: torch.device | str, seed: int | None) -> torch.Generator:
     """A sampling generator on ``device``: ``manual_seed(seed)``, or for ``seed`` None one seeded from the OS
     (nondeterministic), never torch's fixed default seed (two unseeded samplers would draw alike)."""

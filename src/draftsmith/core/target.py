@@ -221,7 +221,7 @@ class TargetModel:
             ids[b, : x.numel()] = x.cpu()
         positions, mask = cache.begin(counts)
         if mask is not None and self.model.config._attn_implementation not in ("sdpa", "flex_attention"):
-            mask = _additive(mask, self.model.dtype)
+            mask = _additive(mask, next(self.model.parameters()).dtype)
         if isinstance(mask, torch.Tensor):
             mask = mask.to(device)
         elif isinstance(mask, dict):

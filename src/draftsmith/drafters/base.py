@@ -24,18 +24,11 @@ from typing import Any, ClassVar, Sequence
 import torch
 
 from draftsmith.core.proposer import BatchProposer, PerSequence, Proposer, Sampling
+from draftsmith.core.sampling import DRAFT_SEED_OFFSET, draft_seed  # noqa: F401 - re-exported
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.precision import resolve_dtype
 
 logger = logging.getLogger(__name__)
-
-DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # request seed + offset seeds the drafter's sampling generator
-
-
-def draft_seed(seed: int | None) -> int | None:
-    """The drafter's sampling seed for a request seeded ``seed``: offset, so that the drafter's generator does not
-    replay the target's random stream (same seed -> correlated draws); None stays None (nondeterministic)."""
-    return None if seed is None else (int(seed) + DRAFT_SEED_OFFSET) % 2**63
 
 
 def example_target_name(target_model) -> str:

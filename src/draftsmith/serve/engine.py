@@ -45,10 +45,10 @@ from transformers import AutoConfig
 from draftsmith import drafters, reference
 from draftsmith.core.batch import BatchDecoder, BatchSequence
 from draftsmith.core.generate import GenerationConfig, GenerationResult, SpecStats, VerifyStep
-from draftsmith.core.proposer import Proposer
+from draftsmith.core.proposer import Proposer, Sampling
+from draftsmith.core.sampling import draft_seed
 from draftsmith.core.stops import StopStringFound, TextStream, stop_token_ids
 from draftsmith.core.target import TargetModel, resolve_max_model_len
-from draftsmith.drafters.base import Sampling, draft_seed
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.models import load_causal_lm, resolve_model_dtype
 from draftsmith.serve.memory import plan_for_engine
