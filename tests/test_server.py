@@ -432,11 +432,56 @@ def test_engine_queues_and_cancels(target, tokenizer):
         t.start()
     for t in threads:
         t.join()
-    assert results == [alone] * 3  # one sequence at a time: no interference
+    assert results == [alone] * 3  # decoded together, each as alone (seeded: the same draws)
     cancel = threading.Event()
     cancel.set()
     with pytest.raises(RequestCancelled):
         engine.generate(ids, cfg, cancel=cancel)
+
+
+def test_concurrent_clients_get_what_each_gets_alone(target, tokenizer):
+    """Eight clients at once (different prompts, lengths, one sampled): each response equals the one served alone;
+    the running / waiting gauges are exported and back at 0 afterwards."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = Engine(target, tokenizer, NGRAM, model_name="tiny", max_num_seqs=4)
+    words = PROMPT.split()
+    bodies = [
+        {"prompt": " ".join(words[: 3 + i]), "max_tokens": 6 + 2 * i, "temperature": 0 if i % 4 else 0.9, "seed": i}
+        for i in range(8)
+    ]
+    with client_for(engine) as client:
+        alone = [complete(client, **b)["choices"][0]["text"] for b in bodies]
+        with ThreadPoolExecutor(8) as pool:
+            together = list(pool.map(lambda b: complete(client, **b)["choices"][0]["text"], bodies))
+        metrics = scrape(client)
+    assert together == alone
+    assert metrics["draftsmith:num_requests_running"] == 0 and metrics["draftsmith:num_requests_waiting"] == 0
+
+
+def test_full_waiting_queue_answers_429(target, tokenizer):
+    """With max_waiting requests already waiting, a new one is refused at once with 429 and a message saying
+    why, streaming or not; the queued one still completes."""
+    import threading
+
+    from draftsmith.core.batch import BatchSequence
+
+    engine = Engine(target, tokenizer, model_name="tiny", max_waiting=1)
+    gate = threading.Event()
+    step = engine.scheduler.decoder.step
+    engine.scheduler.decoder.step = lambda: (gate.wait(30), step())[1]  # hold the scheduler mid-step
+    job = engine.scheduler.submit(BatchSequence(tokenizer(PROMPT).input_ids, GenerationConfig(max_new_tokens=4)))
+    with client_for(engine) as client:
+        for stream in (False, True):
+            body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 4, "stream": stream}
+            r = client.post("/v1/completions", json=body)
+            assert r.status_code == 429, r.text
+            error = r.json()["error"]
+            assert error["code"] == "too_many_requests" and "retry later" in error["message"]
+        gate.set()
+        assert job.wait(30) and job.seq.result is not None and len(job.seq.result.tokens) == 4
+        assert complete(client)["choices"][0]["text"]  # served again once the queue drained
+    engine.close()
 
 
 def test_engine_check_prompt(target, tokenizer):
