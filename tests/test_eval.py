@@ -113,3 +113,23 @@ def test_eval_stops_where_serving_stops(tmp_path):
     rows = report["tasks"]["code-complete"]
     first = free.index(stop) + 1  # tokens up to and including the end-of-turn id
     assert rows["plain"]["new_tokens"] == rows["ngram"]["new_tokens"] == first < 12
+
+
+def test_batched_eval_reports_the_counters_of_one_prompt_at_a_time(tmp_path):
+    """``eval.batch_size=3`` decodes the task's prompts together; τ, acceptance and every counter equal those of
+    one prompt at a time, for a drafter with a batched proposer (draft model) and a per-row one (n-gram)."""
+    target, tok = reference.target()
+    overrides = (
+        "eval.prompts_per_task=4",
+        "drafter.num_speculative_tokens=3",
+        "eval.drafters={sibling: {method: draft_model, model: reference-draft}, lookup: {method: ngram}}",
+    )
+    one = run_eval(recipe_with(tmp_path / "one", *overrides), None, target, tok)["tasks"]["code-complete"]
+    batched = run_eval(recipe_with(tmp_path / "b", *overrides, "eval.batch_size=3"), None, target, tok)
+    rows = batched["tasks"]["code-complete"]
+    counters = ("tau", "acceptance_rate", "accepted_per_pos", "num_drafts", "num_draft_tokens", "new_tokens")
+    for label in ("sibling", "lookup"):
+        assert {c: rows[label][c] for c in counters} == {c: one[label][c] for c in counters}, label
+        assert rows[label]["greedy_mismatches"] == 0 and rows[label]["num_drafts"] > 0
+        assert 0 < rows[label]["draft_seconds"] < rows[label]["seconds"]
+    assert rows["plain"]["new_tokens"] == one["plain"]["new_tokens"]

@@ -20,3 +20,10 @@ class EvalConfig:
     prompts_per_task: int | None = None  #: None = the whole task
     max_new_tokens: int = 128
     threads: int | None = 2  #: torch CPU threads while timing
+    #: sequences decoded together (the batched runtime, ``core.batch``); 1 = one prompt at a time, methods
+    #: interleaved per prompt. Counters (τ, acceptance) are the same either way; times are per batch.
+    batch_size: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ValueError(f"eval.batch_size must be an integer >= 1, got {self.batch_size!r}")

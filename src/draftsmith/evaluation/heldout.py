@@ -12,6 +12,11 @@ For each task and prompt, plain greedy decoding runs first, then each method on 
       drafted token costs
 With temperature 0 every method must reproduce the plain output token for token; a mismatch is
 counted and reported (it would be a bug). Metric definitions follow vLLM's spec-decode metrics.
+
+``eval.batch_size`` > 1 decodes each task's prompts ``batch_size`` at a time with the batched runtime
+(``core.batch.generate_batch``: continuous batching), plain first, then each method over the whole task: the
+counters are those of one prompt at a time (each sequence drafts and verifies as alone; a test checks it),
+tokens/s and speedup are those of the batch, and the draft cost is the time inside the batched proposer.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
+from draftsmith.core.batch import generate_batch
 from draftsmith.core.generate import GenerationConfig, SpecStats, VerifyStep, generate_plain, generate_speculative
-from draftsmith.core.proposer import Proposer
+from draftsmith.core.proposer import BatchProposer, PerSequence, Proposer
 from draftsmith.core.stops import stop_token_ids
 from draftsmith.core.target import TargetModel
 from draftsmith.data_pipeline.chat import prompt_ids
@@ -34,11 +40,51 @@ from draftsmith.evaluation.config import EvalConfig
 @dataclass
 class EvalRow:
     """One row of the table: a factory of fresh greedy proposers, the k it drafts per step, and the target
-    wrapper exposing the hidden states that drafter reads (``serve.engine.Engine`` builds all three)."""
+    wrapper exposing the hidden states that drafter reads (``serve.engine.Engine`` builds all three);
+    ``make_batch_proposer`` makes the batched proposer (default: ``PerSequence`` over ``make_proposer``)."""
 
     make_proposer: Callable[[], Proposer]
     k: int
     target: TargetModel
+    make_batch_proposer: Callable[[], BatchProposer] | None = None
+
+    def batch_proposer(self) -> BatchProposer:
+        """A fresh batched proposer for this row."""
+        if self.make_batch_proposer is not None:
+            return self.make_batch_proposer()
+        probe = self.make_proposer()
+        return PerSequence(
+            lambda _sampling: self.make_proposer(),
+            needs_aux_hidden=probe.needs_aux_hidden,
+            needs_final_hidden=probe.needs_final_hidden,
+        )
+
+
+class TimedProposer(BatchProposer):
+    """A ``BatchProposer`` that adds the seconds spent in each call of ``inner`` to ``seconds``."""
+
+    def __init__(self, inner: BatchProposer):
+        self.inner, self.seconds = inner, 0.0
+        self.needs_aux_hidden, self.needs_final_hidden = inner.needs_aux_hidden, inner.needs_final_hidden
+
+    def _timed(self, fn, *args):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def start(self, *args) -> None:
+        self._timed(self.inner.start, *args)
+
+    def propose(self, *args):
+        return self._timed(self.inner.propose, *args)
+
+    def accept(self, *args) -> None:
+        self._timed(self.inner.accept, *args)
+
+    def stop(self, *args) -> None:
+        self._timed(self.inner.stop, *args)
 
 
 @dataclass
@@ -104,7 +150,9 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
     for task, records in tasks.items():
         plain_seconds, plain_tokens = 0.0, 0
         results = {label: MethodResult(SpecStats(k=row.k)) for label, row in rows.items()}
-        for ids in tqdm(prompts[task], desc=f"eval {task}"):
+        if cfg.batch_size > 1:
+            plain_seconds, plain_tokens = _evaluate_batched(plain_target, prompts[task], rows, results, gen, cfg, task)
+        for ids in tqdm(prompts[task] if cfg.batch_size == 1 else [], desc=f"eval {task}"):
             t0 = time.perf_counter()
             plain = generate_plain(plain_target, ids, gen)
             plain_seconds += time.perf_counter() - t0
@@ -132,6 +180,34 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
             **{label: r.row(plain_seconds) for label, r in results.items()},
         }
     return report
+
+
+def _evaluate_batched(
+    plain_target: TargetModel,
+    prompts: list,
+    rows: dict[str, EvalRow],
+    results: dict[str, MethodResult],
+    gen: GenerationConfig,
+    cfg: EvalConfig,
+    task: str,
+) -> tuple[float, int]:
+    """One task, ``cfg.batch_size`` sequences at a time: plain, then each row; fills ``results``; returns the
+    plain (seconds, new tokens)."""
+    t0 = time.perf_counter()
+    plain = generate_batch(plain_target, None, prompts, gen, max_num_seqs=cfg.batch_size)
+    plain_seconds = time.perf_counter() - t0
+    for label, row in tqdm(rows.items(), desc=f"eval {task} (batches of {cfg.batch_size})"):
+        r = results[label]
+        proposer = TimedProposer(row.batch_proposer())
+        t0 = time.perf_counter()
+        outs = generate_batch(row.target, proposer, prompts, gen, row.k, max_num_seqs=cfg.batch_size)
+        r.seconds += time.perf_counter() - t0
+        r.draft_seconds += proposer.seconds
+        for out, ref in zip(outs, plain):
+            r.new_tokens += len(out.tokens)
+            r.stats = r.stats.merge(out.stats)
+            r.mismatches += int(out.tokens != ref.tokens)
+    return plain_seconds, sum(len(p.tokens) for p in plain)
 
 
 def _check_lengths(

@@ -331,7 +331,12 @@ def build_eval_rows(specs: dict[str, SpeculativeConfig], target, tokenizer, allo
     rows = {}
     for label, spec in specs.items():
         engine = Engine(target, tokenizer, spec, allow_mismatch=allow_mismatch)
-        rows[label] = EvalRow(lambda engine=engine: engine.new_proposer(greedy), engine.k, engine.target)
+        rows[label] = EvalRow(
+            lambda engine=engine: engine.new_proposer(greedy),
+            engine.k,
+            engine.target,
+            make_batch_proposer=engine.drafter.new_batch_proposer,
+        )
     return rows
 
 
