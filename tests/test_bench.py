@@ -1,31 +1,44 @@
-"""The serving bench's report code on made-up measurements (no timing assertions), and one tiny end-to-end run."""
+"""The serving bench's report code on made-up measurements over several concurrencies (no timing assertions),
+its client against a server that fails on purpose, and two small end-to-end runs."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from draftsmith.evaluation.bench import (
     BatchResult,
     RequestRecord,
     add_verdicts,
+    build_report,
     distribution,
     format_table,
+    method_verdict,
     parse_metrics,
+    requests_for,
+    run_batch,
     run_bench,
+    scaling,
     summarize,
     verdict,
     write_report,
 )
-from draftsmith.evaluation.bench_config import BenchConfig
+from draftsmith.evaluation.bench_config import BenchConfig, build_parser, config_from_args
+from draftsmith.serve.server import BackgroundServer
 
 
-def _batch(wall_s: float, tokens: list[int], counters=None, ttft=0.1, latency=1.0, texts=None) -> BatchResult:
+def _batch(wall_s, tokens, counters=None, ttft=0.1, latency=1.0, texts=None, concurrency=1, errors=None):
     texts = texts or [f"t{i}" for i in range(len(tokens))]
-    return BatchResult(
-        [RequestRecord(ttft, latency, n, text) for n, text in zip(tokens, texts)], wall_s, counters or {}
-    )
+    errors = errors or [None] * len(tokens)
+    records = [
+        RequestRecord(ttft, latency, 0 if e else n, "" if e else text, error=e)
+        for n, text, e in zip(tokens, texts, errors)
+    ]
+    return BatchResult(records, wall_s, counters or {}, concurrency=concurrency)
 
 
 def test_distribution():
@@ -35,20 +48,52 @@ def test_distribution():
     assert distribution([]) == {"mean": None, "p50": None, "p99": None}
 
 
-def test_summarize_medians_percentiles_and_acceptance():
+def test_concurrency_config_and_flag():
+    assert BenchConfig().concurrency == (1,)
+    assert BenchConfig(concurrency=4).concurrency == (4,)  # a single int still works
+    assert BenchConfig(concurrency=[16, 1, 4, 4, 32]).concurrency == (1, 4, 16, 32)  # sorted, unique
+    for bad in (0, [1, 0], [], [1.5], [True]):
+        with pytest.raises(ValueError, match="concurrency"):
+            BenchConfig(concurrency=bad)
+    parser = build_parser()
+    assert config_from_args(parser.parse_args(["--concurrency", "32", "1", "16", "4"])).concurrency == (1, 4, 16, 32)
+    assert config_from_args(parser.parse_args(["--concurrency", "8"])).concurrency == (8,)
+    assert config_from_args(parser.parse_args([])).concurrency == (1,)
+    assert requests_for([[1], [2], [3]], 2) == [[1], [2], [3]]
+    assert requests_for([[1], [2]], 5) == [[1], [2], [1], [2], [1]]  # c > prompts: prompts cycle
+
+
+def test_summarize_medians_percentiles_acceptance_failures_and_mismatches():
     counters = {"drafts": 10.0, "draft_tokens": 50.0, "accepted": 20.0}
-    batches = [_batch(2.0, [10, 10], counters), _batch(4.0, [10, 10], counters), _batch(1.0, [10, 10], counters)]
+    batches = [
+        _batch(2.0, [10, 10], counters, concurrency=2),
+        _batch(4.0, [10, 10], counters, concurrency=2),
+        _batch(1.0, [10, 10], counters, concurrency=2),
+    ]
     row = summarize(batches, reference_texts=["t0", "different"])
+    assert row["concurrency"] == 2 and row["failed"] == 0 and row["errors"] == []
     assert row["output_tokens_per_s_rounds"] == [10.0, 5.0, 20.0]
     assert row["output_tokens_per_s"] == 10.0 and row["requests_per_s"] == 1.0  # medians over rounds
     assert row["requests"] == 6 and row["output_tokens"] == 60
     assert row["acceptance_rate"] == pytest.approx(60 / 150) and row["tau"] == pytest.approx(1 + 60 / 30)
     assert row["ttft_ms"]["p50"] == pytest.approx(100.0)
     assert row["tpot_ms"]["mean"] == pytest.approx(900.0 / 9)  # (1.0 - 0.1) / (10 - 1)
-    assert row["greedy_mismatches"] == 1
+    assert row["greedy_mismatches"] == 3 and row["greedy_checked"] == 6  # every round is checked
+    assert row["baseline_mismatches"] is None
     plain = summarize([_batch(1.0, [1, 5])])
     assert plain["acceptance_rate"] is None and plain["tau"] is None  # nothing drafted
     assert plain["tpot_ms"]["mean"] == pytest.approx(900.0 / 4)  # 1-token requests skipped
+    assert plain["greedy_mismatches"] is None  # no reference
+
+    # c=4 over 2 prompts: requests 2 and 3 are prompts 0 and 1 again; a failure is counted, not timed or compared
+    texts = ["a", "b", "a", "B"]
+    failing = _batch(2.0, [4, 4, 4, 4], texts=texts, concurrency=4, errors=[None, "HTTP 429", None, None])
+    base = _batch(1.0, [4, 4, 4, 4], texts=["a", "b", "a", "b"], concurrency=4)
+    row = summarize([failing], reference_texts=["a", None], baseline_batches=[base])
+    assert row["failed"] == 1 and row["errors"] == ["HTTP 429"] and row["output_tokens"] == 12
+    assert row["output_tokens_per_s"] == 6.0 and row["requests_per_s"] == 1.5
+    assert row["greedy_checked"] == 2 and row["greedy_mismatches"] == 0  # prompt 1 has no reference (None)
+    assert row["baseline_mismatches"] == 1  # "B" vs "b"
 
 
 def test_verdicts_pair_rounds_and_say_not_worth_enabling():
@@ -69,26 +114,95 @@ def test_verdicts_pair_rounds_and_say_not_worth_enabling():
     assert lonely["ngram"]["speedup"] is None and "no baseline" in lonely["ngram"]["verdict"]
 
 
-def test_table_json_and_plot(tmp_path):
-    rows = {
-        "none": summarize([_batch(1.0, [10])]),
-        "eagle3": summarize([_batch(0.8, [10], {"drafts": 4.0, "draft_tokens": 20.0, "accepted": 6.0})]),
-        "hf:plain": summarize([_batch(1.0, [10])]),
-        "hf:prompt_lookup": summarize([_batch(1.25, [10])]),
+LEVELS = (1, 4, 16, 32)
+TOKENS_PER_S = {  # two rounds per level: the second round at half the speed (a noisy machine), ratios unchanged
+    "none": [10, 30, 80, 100],
+    "eagle3": [15, 36, 72, 80],  # 1.5, 1.2, 0.9, 0.8: pays at low concurrency only
+    "ngram": [12, 33, 88, 110],  # >= 1.0 everywhere
+}
+
+
+def _synthetic_results(methods=TOKENS_PER_S, levels=LEVELS):
+    return {
+        name: {
+            c: [_batch(1.0, [tps], concurrency=c), _batch(2.0, [tps], concurrency=c)]
+            for c, tps in zip(levels, per_c)
+            if c in levels
+        }
+        for name, per_c in methods.items()
     }
-    add_verdicts(rows)
-    add_verdicts(rows, baseline="hf:plain", prefix="hf:")
-    report = {"config": BenchConfig(num_prompts=1, rounds=1).__dict__, "rows": rows}
+
+
+def test_method_verdict_names_the_concurrencies_and_scaling():
+    report = build_report({}, _synthetic_results(), reference_texts=["t0"])
+    assert report["concurrency"] == [1, 4, 16, 32]
+    eagle3, ngram, none = (report["methods"][n] for n in ("eagle3", "ngram", "none"))
+    assert [r["concurrency"] for r in eagle3["per_concurrency"]] == [1, 4, 16, 32]
+    assert [r["speedup"] for r in eagle3["per_concurrency"]] == pytest.approx([1.5, 1.2, 0.9, 0.8])
+    assert eagle3["not_worth_enabling_at"] == [16, 32] and eagle3["worth_enabling_at"] == [1, 4]
+    assert eagle3["verdict"] == "not worth enabling at c=16, 32 (0.90x, 0.80x); worth enabling at c=1, 4 (1.50x, 1.20x)"
+    assert ngram["not_worth_enabling_at"] == []
+    assert ngram["verdict"].startswith("worth enabling at every measured concurrency (c=1, 4, 16, 32: 1.20x")
+    assert none["verdict"] == "baseline" and none["per_concurrency"][2]["verdict"] == "baseline"
+    assert eagle3["scaling"] == pytest.approx(80 / 15) and (eagle3["scaling_from"], eagle3["scaling_to"]) == (1, 32)
+    assert none["scaling"] == pytest.approx(10.0)
+    assert (
+        eagle3["per_concurrency"][0]["baseline_mismatches"] == 0
+        and none["per_concurrency"][0]["baseline_mismatches"] is None
+    )
+    assert (
+        eagle3["per_concurrency"][0]["greedy_mismatches"] == 0 and eagle3["per_concurrency"][0]["greedy_checked"] == 2
+    )
+
+    slow = method_verdict([{"concurrency": 1, "speedup": 0.7}, {"concurrency": 8, "speedup": 0.5}])
+    assert slow["verdict"] == "not worth enabling at c=1, 8 (0.70x, 0.50x)"
+    gap = method_verdict([{"concurrency": 1, "speedup": 1.1}, {"concurrency": 8, "speedup": None}])
+    assert gap["verdict"] == "worth enabling at c=1 (1.10x); n/a at c=8 (baseline made no tokens)"
+    no_base = build_report({}, {"ngram": _synthetic_results()["ngram"]})
+    assert no_base["methods"]["ngram"]["verdict"] == "n/a (no baseline run)"
+    single = scaling([{"concurrency": 4, "output_tokens_per_s": 9.0}])
+    assert single == {"scaling": None, "scaling_from": 4, "scaling_to": 4}
+
+
+def test_table_json_and_plot_over_concurrency(tmp_path):
+    hf = {
+        "hf:plain": [_batch(1.0, [10])],
+        "hf:prompt_lookup": [_batch(0.8, [10], {"forwards": 4.0})],
+    }
+    hf["hf:plain"][0].counters["forwards"] = 10.0
+    config = BenchConfig(num_prompts=1, rounds=2, concurrency=LEVELS).__dict__ | {"num_prompts": 1}
+    reference = {"method": "none", "concurrency": 1, "available": True, "separate_run": False, "failed": 0}
+    report = build_report(config, _synthetic_results(), ["t0"], reference, hf)
+    assert list(report["methods"]) == ["none", "eagle3", "ngram", "hf:plain", "hf:prompt_lookup"]
+    assert [r["concurrency"] for r in report["methods"]["hf:plain"]["per_concurrency"]] == [1]  # c=1 only
+    assert (
+        report["methods"]["hf:prompt_lookup"]["kind"] == "hf"
+        and "one request at a time" in (report["methods"]["hf:prompt_lookup"]["note"])
+    )
+    assert report["methods"]["hf:prompt_lookup"]["per_concurrency"][0]["tau"] == pytest.approx(2.5)
+    assert report["methods"]["hf:prompt_lookup"]["verdict"].startswith("worth enabling at every measured")
+
     table = format_table(report)
     lines = table.splitlines()
-    assert lines[2].startswith("| method | req/s | out tok/s | TTFT") and lines[2].endswith("verdict |")
-    assert "| eagle3 |" in table and "30.0%" in table and "2.50" in table  # acceptance and τ
-    assert "1.25x: worth enabling" in table and "0.80x: not worth enabling" in table
-    assert "speedup vs hf:plain" in table
+    assert "concurrency=1, 4, 16, 32" in lines[0]
+    assert lines[2].startswith("| method | c | req/s | out tok/s | TTFT") and lines[2].endswith("verdict |")
+    body = [line for line in lines[4:] if line.startswith("| ")]
+    assert sum(line.startswith("| eagle3 | ") for line in body) == 4 + 1  # a row per c, then its scaling row
+    assert "| eagle3 | 32 |" in table and "| hf:plain | 1 |" in table and "| hf:plain | 4 |" not in table
+    assert "0.80x: not worth enabling" in table and "5.33x (c=1→32)" in table
+    assert "not worth enabling at c=16, 32" in table and "speedup vs hf:plain" in table
+
     paths = write_report(report, tmp_path / "out")
-    assert json.loads(paths["json"].read_text())["rows"]["eagle3"]["tau"] == pytest.approx(2.5)
+    data = json.loads(paths["json"].read_text())
+    assert data["concurrency"] == [1, 4, 16, 32] and data["config"]["concurrency"] == [1, 4, 16, 32]
+    eagle3 = data["methods"]["eagle3"]
+    assert [r["concurrency"] for r in eagle3["per_concurrency"]] == [1, 4, 16, 32]
+    assert eagle3["not_worth_enabling_at"] == [16, 32] and eagle3["scaling"] == pytest.approx(80 / 15)
+    for key in ("output_tokens_per_s", "requests_per_s", "ttft_ms", "tpot_ms", "acceptance_rate", "tau", "failed"):
+        assert key in eagle3["per_concurrency"][0], key
     assert paths["table"].read_text().strip() == table
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["bench.png", "report.json", "table.md"]
 
 
 def test_parse_metrics():
@@ -103,8 +217,43 @@ def test_parse_metrics():
     }
 
 
+def test_run_batch_counts_failures_without_raising():
+    """A server answering 429, an error event, a stream cut before [DONE], and one good stream."""
+    app = FastAPI()
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse("draftsmith:num_requests_running 2.0\ndraftsmith:num_requests_waiting 0.0\n")
+
+    def sse(*events):
+        return StreamingResponse((f"data: {e}\n\n" for e in events), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        first = (await request.json())["prompt"][0]
+        if first == 1:
+            return JSONResponse({"error": {"message": "queue full"}}, status_code=429)
+        if first == 2:
+            return sse(json.dumps({"error": {"message": "boom"}}))
+        text = json.dumps({"choices": [{"text": "hi"}]})
+        if first == 3:
+            return sse(text)  # no [DONE]
+        return sse(text, json.dumps({"choices": [], "usage": {"completion_tokens": 1}}), "[DONE]")
+
+    with BackgroundServer(app) as server:
+        batch = asyncio.run(run_batch(server.url, "m", [[1], [2], [3], [4]], 4, 2))
+    assert batch.concurrency == 2 and batch.peaks == {"running": 2.0, "waiting": 0.0}
+    assert [r.ok for r in batch.records] == [False, False, False, True], [r.error for r in batch.records]
+    assert "429" in batch.records[0].error and "boom" in batch.records[1].error
+    assert "[DONE]" in batch.records[2].error
+    assert batch.records[3].text == "hi" and batch.records[3].tokens == 1
+    row = summarize([batch])
+    assert row["failed"] == 3 and row["output_tokens"] == 1 and row["peak_running"] == 2.0
+
+
 def test_tiny_end_to_end(tiny_llama, tmp_path):
-    """In-process servers for none and ngram plus the HF peer on a tiny model: the plumbing, not the speed."""
+    """In-process servers for none and ngram at c = 2, 4 (4 > 3 prompts: they cycle) plus the HF peer on a
+    tiny model: the plumbing, not the speed. 1 is not a level, so the baseline runs once alone for reference."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -123,7 +272,7 @@ def test_tiny_end_to_end(tiny_llama, tmp_path):
         k=3,
         prompt_lookup_min=1,
         max_tokens=6,
-        concurrency=2,
+        concurrency=(2, 4),
         rounds=2,
         threads=1,
         hf_peer=True,
@@ -131,12 +280,62 @@ def test_tiny_end_to_end(tiny_llama, tmp_path):
         out=str(tmp_path),
     )
     report = run_bench(cfg, model=model, tokenizer=tokenizer, prompts=prompts)
-    rows = report["rows"]
-    assert list(rows) == ["none", "ngram", "hf:plain", "hf:prompt_lookup"]
-    for name, row in rows.items():
-        assert row["requests"] == 6 and row["output_tokens"] > 0 and row["greedy_mismatches"] == 0, name
-        assert row["ttft_ms"]["p50"] is not None and row["speedup"] is not None
-    assert rows["ngram"]["counters"]["draft_tokens"] > 0 and 0 <= rows["ngram"]["acceptance_rate"] <= 1
-    assert rows["ngram"]["tau"] >= 1 and rows["none"]["tau"] is None
-    assert rows["hf:plain"]["tau"] == pytest.approx(1.0, abs=0.5)
-    assert "ngram" in format_table(report)
+    methods = report["methods"]
+    assert list(methods) == ["none", "ngram", "hf:plain", "hf:prompt_lookup"]
+    assert report["reference"]["separate_run"] and report["reference"]["failed"] == 0
+    assert report["config"]["requests_per_batch"] == [3, 4]
+    for name in ("none", "ngram"):
+        assert [r["concurrency"] for r in methods[name]["per_concurrency"]] == [2, 4]
+        assert [r["requests"] for r in methods[name]["per_concurrency"]] == [6, 8]  # 2 rounds x max(3, c)
+        assert methods[name]["scaling"] is not None and (
+            methods[name]["scaling_from"],
+            methods[name]["scaling_to"],
+        ) == (2, 4)
+    for name, method in methods.items():
+        for row in method["per_concurrency"]:
+            assert row["failed"] == 0 and row["output_tokens"] > 0 and row["greedy_mismatches"] == 0, name
+            assert row["ttft_ms"]["p50"] is not None and row["speedup"] is not None
+    for row in methods["ngram"]["per_concurrency"]:
+        assert row["counters"]["draft_tokens"] > 0 and 0 <= row["acceptance_rate"] <= 1 and row["tau"] >= 1
+        assert row["baseline_mismatches"] == 0
+    assert methods["none"]["per_concurrency"][0]["tau"] is None
+    assert [r["concurrency"] for r in methods["hf:plain"]["per_concurrency"]] == [1]
+    assert methods["hf:plain"]["per_concurrency"][0]["tau"] == pytest.approx(1.0, abs=0.5)
+    assert "| ngram | 4 |" in format_table(report)
+
+
+def test_reference_target_end_to_end(tmp_path):
+    """The bundled reference target, none + ngram at c = 1, 2 over 2 prompts: every request succeeds and every
+    greedy response equals the one served alone."""
+    cfg = BenchConfig(
+        target="reference",
+        methods=["none", "ngram"],
+        head=None,
+        k=3,
+        num_prompts=2,
+        max_tokens=8,
+        concurrency=[2, 1],
+        rounds=1,
+        threads=1,
+        out=str(tmp_path / "bench"),
+    )
+    report = run_bench(cfg)
+    paths = write_report(report, cfg.out)
+    data = json.loads(paths["json"].read_text())
+    assert data["concurrency"] == [1, 2] and list(data["methods"]) == ["none", "ngram"]
+    assert data["reference"] == {
+        "method": "none",
+        "concurrency": 1,
+        "available": True,
+        "separate_run": False,
+        "failed": 0,
+    }
+    for name, method in data["methods"].items():
+        assert method["kind"] == "server" and [r["concurrency"] for r in method["per_concurrency"]] == [1, 2]
+        assert method["scaling"] is not None and isinstance(method["verdict"], str)
+        for row in method["per_concurrency"]:
+            assert row["requests"] == 2 and row["failed"] == 0, (name, row["errors"])
+            assert row["greedy_checked"] == 2 and row["greedy_mismatches"] == 0, name
+            assert row["output_tokens"] > 0 and row["speedup"] is not None
+    assert data["methods"]["ngram"]["per_concurrency"][1]["baseline_mismatches"] == 0
+    assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -12,6 +12,7 @@
     draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
     draftsmith serve --target T [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
     draftsmith bench --target T [--methods none eagle3 ngram draft_model] [--k 5] [--head HEAD] [--hf-peer]
+                     [--concurrency 1 4 16 32]
 
 RECIPE defaults to the packaged ``recipes/reference/eagle3.yaml``; overrides are dotted
 (``train.lr=1e-4``). Every recipe file starts with its exact launch command.

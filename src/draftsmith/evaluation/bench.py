@@ -1,34 +1,50 @@
-"""Serving benchmark: the same prompts, at a given concurrency, through the server with and without speculation.
+"""Serving benchmark: the same prompts, at one or more concurrencies, through the server with and without
+speculation.
 
     draftsmith bench --target reference --methods none eagle3 ngram draft_model --k 5 \\
-        --head runs/reference-eagle3/head --hf-peer --num-prompts 8 --max-tokens 64 --out runs/bench
+        --head runs/reference-eagle3/head --hf-peer --num-prompts 8 --max-tokens 64 --concurrency 1 4 16 32 \\
+        --out runs/bench
     draftsmith bench --target reference --url http://127.0.0.1:8000 --url http://127.0.0.1:8001   # running servers
 
 Steps:
   1. Prompts: the first ``num_prompts`` of the held-out tasks (round robin over tasks), rendered with the
      target's chat template into token ids, so every server and the HF peer read identical ids.
   2. Servers: given ``--url``s (each server's ``/v1/models`` says its speculative method), or one
-     in-process server per method on a free loopback port, every engine sharing the one loaded target.
+     in-process server per method on a free loopback port, every engine sharing the one loaded target and
+     keeping ``Engine``'s batching defaults (``max_num_seqs`` 64, ``max_num_batched_tokens`` 2048,
+     ``max_waiting`` 1024, as ``draftsmith serve``): above 64 in flight, requests wait in its queue.
      Before loading, the memory plan (``serve/memory.py``) of every method must fit.
-  3. One warm-up request per server, then ``rounds`` rounds; a round sends all prompts to each server in
-     turn (the order rotates per round) at ``concurrency`` requests in flight: streamed
-     ``/v1/completions``, temperature 0, ``stream_options.include_usage``. ``/metrics`` is scraped before
-     and after every batch.
-  4. Per method: request throughput and output tokens/s (median over rounds); TTFT = send -> first streamed
-     text, TPOT = (latency - TTFT) / (tokens - 1), each as mean, p50 and p99 over all requests of all
-     rounds; acceptance rate = Δaccepted / Δdraft tokens and τ = 1 + Δaccepted / Δdrafts from the
-     ``/metrics`` deltas; greedy mismatches = completions that differ from the no-speculation text.
-  5. HF peer (``--hf-peer``): transformers ``generate`` on the same ids, one request at a time: plain
-     greedy, prompt lookup (``prompt_lookup_num_tokens=k``) and, with a draft model, assisted generation
-     with ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"``,
+  3. Warm-up: a few short requests per server. Then ``rounds`` rounds; a round runs, for each concurrency c
+     (ascending), one batch on each server in turn (the server order rotates per round). A batch at c sends
+     ``max(num_prompts, c)`` requests, request i being prompt ``i mod num_prompts``, with at most c in
+     flight (a semaphore over streamed ``/v1/completions``, temperature 0, ``stream_options.include_usage``):
+     so c requests start together even when c > num_prompts; in-flight count falls to 0 as the batch drains.
+     ``/metrics`` is scraped before and after every batch, and polled every 0.1 s during it for the
+     ``num_requests_running`` / ``num_requests_waiting`` gauges (their peaks show what really ran together).
+     A request answered with an HTTP error, a mid-stream error event, a broken stream or no ``[DONE]`` is a
+     failure: counted, left out of the timings, never raised.
+  4. Per (method, c): request throughput and output tokens/s of the successful requests (median over
+     rounds); TTFT = send -> first streamed text, TPOT = (latency - TTFT) / (tokens - 1), each as mean, p50
+     and p99 over all successful requests of all rounds; acceptance rate = Δaccepted / Δdraft tokens and
+     τ = 1 + Δaccepted / Δdrafts from the ``/metrics`` deltas; ``greedy_mismatches`` = responses (every
+     round) whose text differs from the same prompt's no-speculation response served alone (c = 1: the
+     baseline's c = 1 batch, or one extra c = 1 batch when 1 is not among the levels); ``baseline_mismatches``
+     = responses that differ from the no-speculation server's response to the same request at the same c in
+     the same round (speculation's own effect, batching aside). Per method, ``scaling`` = tokens/s at the
+     highest c ÷ tokens/s at c = 1 (the lowest measured c when 1 is not measured; ``scaling_from``/``_to``).
+  5. HF peer (``--hf-peer``): transformers ``generate`` on the same ids, one request at a time, so measured
+     at c = 1 only: plain greedy, prompt lookup (``prompt_lookup_num_tokens=k``) and, with a draft model,
+     assisted generation with ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"``,
      ``assistant_confidence_threshold=0`` on the draft's generation_config. TTFT/TPOT come from a streamer;
      its τ is tokens per target forward (HF does not count drafts).
-  6. Verdict per method: speedup = median over rounds of (method tokens/s / no-speculation tokens/s in the
-     same round); "not worth enabling" when below 1.0 (acceptance alone is not the verdict). HF peers are
-     compared with HF plain generate.
-The engine serves one sequence at a time (``serve/engine.py``): with concurrency > 1 requests queue,
-so TTFT includes the wait. Timings use ``torch.set_num_threads(threads)``; numbers are medians because a
-shared machine is noisy. Writes ``report.json``, ``table.md`` and ``bench.png`` to ``--out``.
+  6. Verdict: at each c, speedup = median over rounds of (method tokens/s / no-speculation tokens/s at the
+     same c in the same round); per method, the verdict names the concurrencies where the speedup is below
+     1.0 ("not worth enabling at c=16, 32") or says it pays at every measured concurrency (acceptance alone
+     is not the verdict). HF peers are compared with HF plain generate.
+Timings use ``torch.set_num_threads(threads)``; numbers are medians because a shared machine is noisy. The
+client shares the process (and the GIL) with in-process servers. Writes ``report.json`` (per method a list
+over concurrency), ``table.md`` and ``bench.png`` (throughput and speedup vs concurrency) to ``--out``, each
+through a temporary file and a rename.
 """
 
 from __future__ import annotations
@@ -37,11 +53,13 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -70,16 +88,29 @@ SPEC_COUNTERS = {
     "draft_tokens": "draftsmith:spec_decode_num_draft_tokens_total",
     "accepted": "draftsmith:spec_decode_num_accepted_tokens_total",
 }
+SCHEDULER_GAUGES = {
+    "running": "draftsmith:num_requests_running",
+    "waiting": "draftsmith:num_requests_waiting",
+}
+HF_NOTE = "transformers generate, one request at a time: measured at c=1 only"
 
 
 @dataclass
 class RequestRecord:
-    """One streamed request as the client saw it (seconds; tokens from the server's usage)."""
+    """One streamed request as the client saw it (seconds; tokens from the server's usage).
+
+    ``error`` is None for a success; for a failure it says why, ``tokens`` is 0 and ``text`` empty."""
 
     ttft_s: float
     latency_s: float
     tokens: int
     text: str = ""
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The request succeeded."""
+        return self.error is None
 
     @property
     def tpot_s(self) -> float | None:
@@ -89,11 +120,15 @@ class RequestRecord:
 
 @dataclass
 class BatchResult:
-    """All prompts sent once to one server: per-request records, wall time, and /metrics counter deltas."""
+    """One batch sent to one server: per-request records (request order: request i is prompt
+    ``i mod num_prompts``), wall time (s), /metrics counter deltas, the concurrency it ran at and the peaks of
+    the scheduler gauges seen while polling (``{"running": n, "waiting": n}``, empty when never seen)."""
 
     records: list[RequestRecord]
     wall_s: float
     counters: dict[str, float] = field(default_factory=dict)
+    concurrency: int = 1
+    peaks: dict[str, float] = field(default_factory=dict)
 
 
 # --- numbers -------------------------------------------------------------------------------------------------
@@ -108,55 +143,103 @@ def distribution(values: Sequence[float]) -> dict[str, float | None]:
     return {"mean": float(arr.mean()), "p50": float(np.percentile(arr, 50)), "p99": float(np.percentile(arr, 99))}
 
 
-def summarize(batches: Sequence[BatchResult], reference_texts: Sequence[str] | None = None) -> dict:
-    """One method's row from its rounds: medians of throughput, TTFT/TPOT distributions (ms), acceptance.
+def reference_texts_of(batch: BatchResult) -> list[str | None]:
+    """Per prompt, the text a c = 1 batch gave (None where that request failed): the greedy reference."""
+    return [r.text if r.ok else None for r in batch.records]
 
-    Acceptance rate and τ are computed from the summed counter deltas (None when nothing was drafted, e.g.
-    no speculation). ``reference_texts`` (the no-speculation completions, in prompt order) gives the greedy
-    mismatch count of the last round."""
+
+def summarize(
+    batches: Sequence[BatchResult],
+    reference_texts: Sequence[str | None] | None = None,
+    baseline_batches: Sequence[BatchResult] | None = None,
+) -> dict:
+    """One (method, concurrency) row from its rounds' batches (all at the same concurrency).
+
+    Throughput (requests/s, output tokens/s) counts successful requests and is the median over rounds;
+    TTFT/TPOT distributions (ms) pool the successful requests of all rounds. Acceptance rate and τ come from
+    the summed counter deltas (None when nothing was drafted, e.g. no speculation).
+
+    Args:
+        batches: one per round. reference_texts: per prompt, the no-speculation text served alone (None entries
+            are not compared); request i is checked against entry ``i mod len``: ``greedy_mismatches`` counts
+            the differing successful responses of all rounds (``greedy_checked`` how many were compared).
+        baseline_batches: the no-speculation server's batches at the same concurrency, same rounds:
+            ``baseline_mismatches`` counts responses differing from its response to the same request.
+
+    Returns:
+        The row dict (``greedy_mismatches`` / ``baseline_mismatches`` None without their references).
+    """
     records = [r for b in batches for r in b.records]
+    good = [r for r in records if r.ok]
     per_round = [
         {
-            "requests_per_s": len(b.records) / b.wall_s,
-            "output_tokens_per_s": sum(r.tokens for r in b.records) / b.wall_s,
+            "requests_per_s": sum(r.ok for r in b.records) / max(b.wall_s, 1e-9),
+            "output_tokens_per_s": sum(r.tokens for r in b.records if r.ok) / max(b.wall_s, 1e-9),
         }
         for b in batches
     ]
     counters = {name: sum(b.counters.get(name, 0.0) for b in batches) for name in SPEC_COUNTERS}
     drafts, draft_tokens, accepted = counters["drafts"], counters["draft_tokens"], counters["accepted"]
+    errors = list(dict.fromkeys(r.error for r in records if not r.ok))
     row = {
+        "concurrency": batches[0].concurrency,
         "rounds": len(batches),
         "requests": len(records),
-        "output_tokens": sum(r.tokens for r in records),
+        "failed": len(records) - len(good),
+        "errors": errors[:3],
+        "output_tokens": sum(r.tokens for r in good),
         "requests_per_s": statistics.median(x["requests_per_s"] for x in per_round),
         "output_tokens_per_s": statistics.median(x["output_tokens_per_s"] for x in per_round),
         "output_tokens_per_s_rounds": [x["output_tokens_per_s"] for x in per_round],
-        "ttft_ms": distribution([1e3 * r.ttft_s for r in records]),
-        "tpot_ms": distribution([1e3 * r.tpot_s for r in records if r.tpot_s is not None]),
+        "ttft_ms": distribution([1e3 * r.ttft_s for r in good]),
+        "tpot_ms": distribution([1e3 * r.tpot_s for r in good if r.tpot_s is not None]),
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "tau": 1.0 + accepted / drafts if drafts else None,
         "counters": counters,
+        "peak_running": max((b.peaks["running"] for b in batches if "running" in b.peaks), default=None),
+        "peak_waiting": max((b.peaks["waiting"] for b in batches if "waiting" in b.peaks), default=None),
+        "greedy_mismatches": None,
+        "greedy_checked": 0,
+        "baseline_mismatches": None,
     }
-    if reference_texts is not None:
-        row["greedy_mismatches"] = sum(r.text != t for r, t in zip(batches[-1].records, reference_texts))
+    if reference_texts:
+        pairs = [
+            (r.text, reference_texts[i % len(reference_texts)])
+            for b in batches
+            for i, r in enumerate(b.records)
+            if r.ok
+        ]
+        pairs = [(text, ref) for text, ref in pairs if ref is not None]
+        row["greedy_mismatches"], row["greedy_checked"] = sum(a != b for a, b in pairs), len(pairs)
+    if baseline_batches is not None:
+        row["baseline_mismatches"] = sum(
+            r.text != s.text
+            for b, base in zip(batches, baseline_batches)
+            for r, s in zip(b.records, base.records)
+            if r.ok and s.ok
+        )
     return row
 
 
-def verdict(speedup: float | None) -> str:
-    """'1.23x: worth enabling' / '0.87x: not worth enabling' (below 1.0) / 'n/a' without a baseline.
+def format_speedup(speedup: float) -> str:
+    """'1.23x'; three decimals when two would round a value across 1.0 (0.998 -> '0.998x', not '1.00x')."""
+    digits = 3 if round(speedup, 2) == 1.0 and speedup != 1.0 else 2
+    return f"{speedup:.{digits}f}x"
 
-    Two decimals, three when two would round a value across 1.0 (0.998 -> '0.998x', not '1.00x')."""
+
+def verdict(speedup: float | None) -> str:
+    """'1.23x: worth enabling' / '0.87x: not worth enabling' (below 1.0) / 'n/a' without a baseline."""
     if speedup is None:
         return "n/a"
-    digits = 3 if round(speedup, 2) == 1.0 and speedup != 1.0 else 2
-    return f"{speedup:.{digits}f}x: " + ("worth enabling" if speedup >= 1.0 else "not worth enabling")
+    return format_speedup(speedup) + ": " + ("worth enabling" if speedup >= 1.0 else "not worth enabling")
 
 
 def add_verdicts(rows: dict[str, dict], baseline: str = BASELINE, prefix: str = "") -> None:
     """Set ``speedup`` and ``verdict`` on every row whose name starts with ``prefix`` (baseline included, 1.0).
 
-    speedup = median over rounds of row tokens/s ÷ baseline tokens/s in the same round (paired; rounds
-    beyond the shorter list are ignored)."""
+    ``rows``: ``{method: row}`` at one concurrency. speedup = median over rounds of row tokens/s ÷ baseline
+    tokens/s in the same round (paired; rounds beyond the shorter list, and rounds where the baseline made no
+    tokens, are ignored)."""
     base = rows.get(baseline)
     for name, row in rows.items():
         if not name.startswith(prefix):
@@ -169,85 +252,229 @@ def add_verdicts(rows: dict[str, dict], baseline: str = BASELINE, prefix: str = 
         row["verdict"] = "baseline" if name == baseline else verdict(row["speedup"])
 
 
+def _levels(values: Sequence[int]) -> str:
+    return ", ".join(str(c) for c in values)
+
+
+def method_verdict(per_concurrency: Sequence[dict], is_baseline: bool = False) -> dict:
+    """One method's verdict over its concurrency rows (each with ``concurrency`` and ``speedup``).
+
+    Returns:
+        ``{"verdict": str, "not_worth_enabling_at": [c, ...], "worth_enabling_at": [c, ...]}``: the verdict
+        names the concurrencies with speedup < 1.0 ("not worth enabling at c=16, 32 (0.93x, 0.81x); worth
+        enabling at c=1, 4") or says "worth enabling at every measured concurrency (c=...)"; concurrencies
+        without a speedup (no baseline tokens) are named as n/a.
+    """
+    if is_baseline:
+        return {"verdict": "baseline", "not_worth_enabling_at": [], "worth_enabling_at": []}
+    known = [(r["concurrency"], r["speedup"]) for r in per_concurrency if r.get("speedup") is not None]
+    unknown = [r["concurrency"] for r in per_concurrency if r.get("speedup") is None]
+    bad = [(c, s) for c, s in known if s < 1.0]
+    good = [(c, s) for c, s in known if s >= 1.0]
+    out = {"not_worth_enabling_at": [c for c, _ in bad], "worth_enabling_at": [c for c, _ in good]}
+    if not known:
+        no_run = any(str(r.get("verdict", "")).startswith("n/a (no baseline") for r in per_concurrency)
+        return out | {"verdict": "n/a (no baseline run)" if no_run else "n/a (the baseline made no tokens)"}
+
+    def speedups(pairs) -> str:
+        return ", ".join(format_speedup(s) for _, s in pairs)
+
+    def levels(pairs) -> str:
+        return _levels([c for c, _ in pairs])
+
+    if not bad and not unknown:
+        return out | {"verdict": f"worth enabling at every measured concurrency (c={levels(good)}: {speedups(good)})"}
+    parts = [f"not worth enabling at c={levels(bad)} ({speedups(bad)})"] if bad else []
+    parts += [f"worth enabling at c={levels(good)} ({speedups(good)})"] if good else []
+    if unknown:
+        parts.append(f"n/a at c={_levels(unknown)} (baseline made no tokens)")
+    return out | {"verdict": "; ".join(parts)}
+
+
+def scaling(per_concurrency: Sequence[dict]) -> dict:
+    """tokens/s at the highest concurrency ÷ tokens/s at the lowest (c = 1 when measured).
+
+    Returns ``{"scaling": x or None, "scaling_from": c_lo, "scaling_to": c_hi}``; None with a single level or
+    no tokens at the lowest."""
+    rows = sorted(per_concurrency, key=lambda r: r["concurrency"])
+    lo, hi = rows[0], rows[-1]
+    value = (
+        hi["output_tokens_per_s"] / lo["output_tokens_per_s"] if len(rows) > 1 and lo["output_tokens_per_s"] else None
+    )
+    return {"scaling": value, "scaling_from": lo["concurrency"], "scaling_to": hi["concurrency"]}
+
+
+def build_report(
+    config: dict,
+    results: dict[str, dict[int, list[BatchResult]]],
+    reference_texts: Sequence[str | None] | None = None,
+    reference_info: dict | None = None,
+    hf_results: dict[str, list[BatchResult]] | None = None,
+) -> dict:
+    """The report from the measurements.
+
+    Args:
+        config: the run's settings (``asdict(BenchConfig)`` plus extras). results: ``{method: {c: [BatchResult
+            per round]}}`` of the servers. reference_texts: per prompt, the no-speculation text served alone.
+        reference_info: how that reference was obtained (kept as ``report["reference"]``).
+        hf_results: ``{hf:name: [BatchResult per round]}`` from ``hf_peer`` (c = 1; counters hold 'forwards').
+
+    Returns:
+        ``{"config", "concurrency": [c, ...], "reference", "methods": {name: {"kind": "server" | "hf",
+        "per_concurrency": [row per c, ascending], "scaling", "scaling_from", "scaling_to", "verdict",
+        "not_worth_enabling_at", "worth_enabling_at"}}}`` (rows as ``summarize`` plus speedup / verdict).
+    """
+    levels = sorted({c for per_c in results.values() for c in per_c})
+    rows: dict[str, dict[int, dict]] = {}
+    for name, per_c in results.items():
+        rows[name] = {}
+        for c, batches in sorted(per_c.items()):
+            base = results.get(BASELINE, {}).get(c) if name != BASELINE else None
+            rows[name][c] = summarize(batches, reference_texts, base)
+    for c in levels:
+        add_verdicts({name: per_c[c] for name, per_c in rows.items() if c in per_c})
+    methods = {}
+    for name, per_c in rows.items():
+        ordered = [per_c[c] for c in sorted(per_c)]
+        methods[name] = {"kind": "server", "per_concurrency": ordered, **scaling(ordered)}
+        methods[name] |= method_verdict(ordered, is_baseline=name == BASELINE)
+    if hf_results:
+        hf_rows = {}
+        for name, batches in hf_results.items():
+            row = summarize(batches, reference_texts)
+            forwards = sum(b.counters.get("forwards", 0.0) for b in batches)
+            row["acceptance_rate"] = None
+            row["tau"] = row["output_tokens"] / forwards if forwards else None
+            hf_rows[name] = row
+        add_verdicts(hf_rows, baseline=HF_BASELINE, prefix="hf:")
+        for name, row in hf_rows.items():
+            methods[name] = {"kind": "hf", "note": HF_NOTE, "per_concurrency": [row], **scaling([row])}
+            methods[name] |= method_verdict([row], is_baseline=name == HF_BASELINE)
+    return {"config": config, "concurrency": levels, "reference": reference_info or {}, "methods": methods}
+
+
+# --- the report ----------------------------------------------------------------------------------------------
+
+
 def _fmt(value, spec: str = ".1f", none: str = "-") -> str:
     return none if value is None else format(value, spec)
 
 
 def format_table(report: dict) -> str:
-    """Markdown table: one row per method (servers, then HF peers), ending with the verdict column."""
+    """Markdown: a row per method × concurrency (servers, then HF peers at c = 1), then a row per method with
+    its scaling and verdict, then notes."""
     cfg = report["config"]
+    levels = report["concurrency"]
     head = (
-        f"k={cfg['k']}, concurrency={cfg['concurrency']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']} "
-        f"max tokens, {cfg['rounds']} rounds, torch threads={cfg['threads']}, device={cfg['device']}"
+        f"k={cfg['k']}, concurrency={_levels(levels)}, {cfg['num_prompts']} prompts (max(prompts, c) requests "
+        f"per batch) x {cfg['max_tokens']} max tokens, {cfg['rounds']} rounds, torch threads={cfg['threads']}, "
+        f"device={cfg['device']}"
     )
     lines = [
         head,
         "",
-        "| method | req/s | out tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p50 / p99 (ms) | accept | τ "
-        "| greedy diff | verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| method | c | req/s | out tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p50 / p99 (ms) | accept | τ "
+        "| failed | peak running | greedy diff alone / none | speedup | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
-    for name, row in report["rows"].items():
-        ttft, tpot = row["ttft_ms"], row["tpot_ms"]
-        lines.append(
-            f"| {name} | {row['requests_per_s']:.2f} | {row['output_tokens_per_s']:.1f} "
-            f"| {_fmt(ttft['mean'])} / {_fmt(ttft['p50'])} / {_fmt(ttft['p99'])} "
-            f"| {_fmt(tpot['mean'])} / {_fmt(tpot['p50'])} / {_fmt(tpot['p99'])} "
-            f"| {_fmt(row.get('acceptance_rate'), '.1%')} | {_fmt(row.get('tau'), '.2f')} "
-            f"| {row.get('greedy_mismatches', '-')} | {row.get('verdict', '')} |"
-        )
-    if any(name.startswith("hf:") for name in report["rows"]):
-        lines += [
-            "",
-            "hf:* rows: transformers generate, one request at a time; speedup vs hf:plain; their τ is "
-            "tokens per target forward.",
-        ]
+    for name, method in report["methods"].items():
+        for row in method["per_concurrency"]:
+            ttft, tpot = row["ttft_ms"], row["tpot_ms"]
+            diff = f"{_fmt(row.get('greedy_mismatches'), 'd')} / {_fmt(row.get('baseline_mismatches'), 'd')}"
+            speedup = row.get("speedup")
+            lines.append(
+                f"| {name} | {row['concurrency']} | {row['requests_per_s']:.2f} | {row['output_tokens_per_s']:.1f} "
+                f"| {_fmt(ttft['mean'])} / {_fmt(ttft['p50'])} / {_fmt(ttft['p99'])} "
+                f"| {_fmt(tpot['mean'])} / {_fmt(tpot['p50'])} / {_fmt(tpot['p99'])} "
+                f"| {_fmt(row.get('acceptance_rate'), '.1%')} | {_fmt(row.get('tau'), '.2f')} "
+                f"| {row['failed']} | {_fmt(row.get('peak_running'), '.0f')} | {diff} "
+                f"| {'-' if speedup is None else format_speedup(speedup)} "
+                f"| {row.get('verdict', '')} |"
+            )
+    lines += ["", "| method | scaling (out tok/s, highest c ÷ lowest) | verdict |", "|---|---:|---|"]
+    for name, method in report["methods"].items():
+        value = method["scaling"]
+        if value is not None:
+            shown = f"{value:.2f}x (c={method['scaling_from']}→{method['scaling_to']})"
+        else:
+            single = method["scaling_from"] == method["scaling_to"]
+            shown = "- (one request at a time)" if method["kind"] == "hf" else ("- (one level)" if single else "-")
+        lines.append(f"| {name} | {shown} | {method['verdict']} |")
+    ref = report.get("reference") or {}
+    alone = (
+        "no reference (no 'none' server)"
+        if not ref.get("available")
+        else ("an extra c=1 batch" if ref.get("separate_run") else "its c=1 batch of the last round")
+    )
+    lines += [
+        "",
+        f"greedy diff: responses of all rounds whose text differs from the same prompt's none response served "
+        f"alone ({alone}) / from none's response to the same request at the same c and round. peak running: "
+        f"most sequences the server's num_requests_running gauge showed (/metrics polled every 0.1 s).",
+    ]
+    if any(m["kind"] == "hf" for m in report["methods"].values()):
+        lines.append(f"hf:* rows: {HF_NOTE}; speedup vs hf:plain; their τ is tokens per target forward.")
     return "\n".join(lines)
 
 
 def plot_report(report: dict, path: str | Path) -> None:
-    """PNG with three panels per method: output tokens/s, TTFT and TPOT p50 (ms), speedup (1.0 line)."""
+    """PNG, two panels over concurrency (log2 x axis): output tokens/s (a line per method) and speedup vs
+    no speculation (1.0 line); hf:* peers are single points at c = 1 (their speedup vs hf:plain)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullLocator
 
-    names = list(report["rows"])
-    rows = [report["rows"][n] for n in names]
-    colors = [
-        "#888888" if n in (BASELINE, HF_BASELINE) else ("#4c72b0" if not n.startswith("hf:") else "#dd8452")
-        for n in names
-    ]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
-    axes[0].bar(names, [r["output_tokens_per_s"] for r in rows], color=colors)
-    axes[0].set_title("output tokens/s (median over rounds)")
-    x = range(len(names))
-    axes[1].bar([i - 0.2 for i in x], [r["ttft_ms"]["p50"] or 0 for r in rows], width=0.4, label="TTFT p50")
-    axes[1].bar([i + 0.2 for i in x], [r["tpot_ms"]["p50"] or 0 for r in rows], width=0.4, label="TPOT p50")
-    axes[1].set_xticks(list(x), names)
-    axes[1].set_title("latency (ms)")
-    axes[1].legend()
-    axes[2].bar(names, [r.get("speedup") or 0 for r in rows], color=colors)
-    axes[2].axhline(1.0, color="black", lw=1, ls="--")
-    axes[2].set_title("speedup vs none (hf:* vs hf:plain); < 1: not worth enabling")
-    for ax in axes:
-        ax.tick_params(axis="x", rotation=30)
-        ax.grid(axis="y", alpha=0.3)
+    levels = report["concurrency"] or [1]
+    fig, (ax_tps, ax_speedup) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for name, method in report["methods"].items():
+        rows = method["per_concurrency"]
+        xs = [r["concurrency"] for r in rows]
+        hf = method["kind"] == "hf"
+        style = {"marker": "s" if hf else "o", "ls": "none" if hf else "-", "label": name}
+        if name in (BASELINE, HF_BASELINE):
+            style["color"] = "#555555"
+        ax_tps.plot(xs, [r["output_tokens_per_s"] for r in rows], **style)
+        if name not in (BASELINE, HF_BASELINE):
+            ax_speedup.plot(xs, [math.nan if r.get("speedup") is None else r["speedup"] for r in rows], **style)
+    ax_speedup.axhline(1.0, color="black", lw=1, ls="--")
+    ax_tps.set_title("output tokens/s (median over rounds)")
+    ax_speedup.set_title("speedup vs none at the same c (hf:* vs hf:plain); < 1: not worth enabling")
+    for ax in (ax_tps, ax_speedup):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(levels, [str(c) for c in levels])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_xlim(min(levels) / 1.5, max(levels) * 1.5)
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
     cfg = report["config"]
-    fig.suptitle(f"draftsmith bench: {cfg['target']}, k={cfg['k']}, concurrency={cfg['concurrency']}")
+    fig.suptitle(f"draftsmith bench: {cfg['target']}, k={cfg['k']}, {cfg['num_prompts']} prompts x {cfg['max_tokens']}")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, format="png")
     plt.close(fig)
 
 
+def _write_atomic(path: Path, write: Callable[[Path], None]) -> None:
+    """``write(tmp)`` into a temporary file next to ``path``, then rename it over ``path``."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_report(report: dict, out: str | Path) -> dict[str, Path]:
-    """report.json, table.md and bench.png under ``out``; returns their paths."""
+    """report.json, table.md and bench.png under ``out`` (each written atomically); returns their paths."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"json": out / "report.json", "table": out / "table.md", "plot": out / "bench.png"}
-    paths["json"].write_text(json.dumps(report, indent=1))
-    paths["table"].write_text(format_table(report) + "\n")
-    plot_report(report, paths["plot"])
+    _write_atomic(paths["json"], lambda p: p.write_text(json.dumps(report, indent=1)))
+    _write_atomic(paths["table"], lambda p: p.write_text(format_table(report) + "\n"))
+    _write_atomic(paths["plot"], lambda p: plot_report(report, p))
     return paths
 
 
@@ -266,6 +493,17 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+async def _scrape(client) -> dict[str, float]:
+    """The server's /metrics, parsed; {} when it cannot be read (the bench goes on without counters)."""
+    try:
+        response = await client.get("/metrics")
+        response.raise_for_status()
+        return parse_metrics(response.text)
+    except Exception as e:  # noqa: BLE001 - a metrics hiccup must not end the bench
+        logger.warning("could not read /metrics: %s", e)
+        return {}
+
+
 async def _stream_one(client, model: str, prompt: list[int], max_tokens: int) -> RequestRecord:
     body = {
         "model": model,
@@ -276,12 +514,14 @@ async def _stream_one(client, model: str, prompt: list[int], max_tokens: int) ->
         "stream_options": {"include_usage": True},
     }
     start = time.perf_counter()
-    first, text, tokens = None, [], 0
+    first, text, tokens, done = None, [], 0, False
     async with client.stream("POST", "/v1/completions", json=body) as response:
         if response.status_code != 200:
             raise RuntimeError(f"server answered {response.status_code}: {(await response.aread()).decode()[:300]}")
         async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
+            if line == "data: [DONE]":
+                done = True
+            if not line.startswith("data: ") or done:
                 continue
             event = json.loads(line[len("data: ") :])
             if "error" in event:
@@ -292,6 +532,8 @@ async def _stream_one(client, model: str, prompt: list[int], max_tokens: int) ->
                 if choice.get("text"):
                     first = first if first is not None else time.perf_counter()
                     text.append(choice["text"])
+    if not done:
+        raise RuntimeError("the stream ended without data: [DONE]")
     end = time.perf_counter()
     return RequestRecord(
         ttft_s=(first if first is not None else end) - start, latency_s=end - start, tokens=tokens, text="".join(text)
@@ -299,28 +541,62 @@ async def _stream_one(client, model: str, prompt: list[int], max_tokens: int) ->
 
 
 async def run_batch(
-    url: str, model: str, prompts: Sequence[list[int]], max_tokens: int, concurrency: int
+    url: str, model: str, prompts: Sequence[list[int]], max_tokens: int, concurrency: int, poll_s: float = 0.1
 ) -> BatchResult:
     """Send every prompt once to ``url`` with at most ``concurrency`` requests in flight.
 
-    Returns records in prompt order, the wall time of the batch and the spec-decode counter deltas."""
+    A failed request (HTTP error status, error event, broken or unfinished stream) becomes a record with
+    ``error`` set; nothing is raised. ``/metrics`` is polled every ``poll_s`` seconds meanwhile for the
+    scheduler gauges' peaks.
+
+    Returns:
+        Records in prompt order, the batch's wall time, the spec-decode counter deltas (a counter missing
+        from either scrape is left out), ``concurrency`` and the gauge peaks.
+    """
     import httpx
 
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client:
-        before = parse_metrics((await client.get("/metrics")).text)
+    async with (
+        httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(600.0), limits=limits) as client,
+        httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(60.0)) as probe,
+    ):
+        before = await _scrape(probe)
         gate = asyncio.Semaphore(concurrency)
+        peaks: dict[str, float] = {}
 
         async def bounded(prompt):
             async with gate:
-                return await _stream_one(client, model, prompt, max_tokens)
+                t0 = time.perf_counter()
+                try:
+                    return await _stream_one(client, model, prompt, max_tokens)
+                except Exception as e:  # noqa: BLE001 - a failed request is counted, never raised
+                    elapsed = time.perf_counter() - t0
+                    return RequestRecord(elapsed, elapsed, 0, "", error=f"{type(e).__name__}: {e}"[:300])
 
+        async def watch():
+            while True:
+                sample = await _scrape(probe)
+                for key, metric in SCHEDULER_GAUGES.items():
+                    if metric in sample:
+                        peaks[key] = max(peaks.get(key, 0.0), sample[metric])
+                await asyncio.sleep(poll_s)
+
+        watcher = asyncio.create_task(watch())
         start = time.perf_counter()
-        records = await asyncio.gather(*(bounded(p) for p in prompts))
-        wall = time.perf_counter() - start
-        after = parse_metrics((await client.get("/metrics")).text)
-    counters = {name: after.get(metric, 0.0) - before.get(metric, 0.0) for name, metric in SPEC_COUNTERS.items()}
-    return BatchResult(records=list(records), wall_s=wall, counters=counters)
+        try:
+            records = await asyncio.gather(*(bounded(p) for p in prompts))
+        finally:
+            wall = time.perf_counter() - start
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        after = await _scrape(probe)
+    counters = {
+        name: after[metric] - before[metric]
+        for name, metric in SPEC_COUNTERS.items()
+        if metric in after and metric in before
+    }
+    return BatchResult(records=list(records), wall_s=wall, counters=counters, concurrency=concurrency, peaks=peaks)
 
 
 def describe_server(url: str) -> tuple[str, str]:
@@ -344,6 +620,12 @@ def load_prompts(tokenizer, num_prompts: int, tasks: Sequence[str]) -> list[list
         task = tasks[i % len(tasks)]
         prompts.append(prompt_ids(tokenizer, records[task][i // len(tasks)]["messages"]).tolist())
     return prompts
+
+
+def requests_for(prompts: Sequence[list[int]], concurrency: int) -> list[list[int]]:
+    """The requests of one batch at ``concurrency``: ``max(len(prompts), concurrency)`` of them, request i
+    being prompt ``i mod len(prompts)`` (so c requests can be in flight even when c > the number of prompts)."""
+    return [prompts[i % len(prompts)] for i in range(max(len(prompts), concurrency))]
 
 
 class _TimingStreamer:
@@ -426,45 +708,52 @@ def hf_peer(
     return results
 
 
-def _hf_rows(results: dict[str, list[BatchResult]], reference_texts) -> dict[str, dict]:
-    rows = {}
-    for name, batches in results.items():
-        row = summarize(batches, reference_texts)
-        forwards = sum(b.counters["forwards"] for b in batches)
-        row["acceptance_rate"] = None
-        row["tau"] = row["output_tokens"] / forwards if forwards else None
-        rows[name] = row
-    return rows
+async def _measure(
+    servers: dict[str, tuple[str, str]], prompts, cfg: BenchConfig
+) -> tuple[dict[str, dict[int, list[BatchResult]]], BatchResult | None]:
+    """Warm-up, the c = 1 reference batch of the baseline when 1 is not a level, then ``cfg.rounds`` rounds:
+    each round, for each concurrency (ascending), one batch per server (the order rotates per round).
 
-
-async def _measure(servers: dict[str, tuple[str, str]], prompts, cfg: BenchConfig) -> dict[str, list[BatchResult]]:
-    """Warm-up, then ``cfg.rounds`` interleaved rounds over the servers ({label: (url, model name)})."""
+    ``servers``: ``{label: (url, model name)}``. Returns ``({label: {c: [BatchResult per round]}}, the extra
+    reference batch or None)``."""
     names = list(servers)
+    warm = min(max(cfg.concurrency), len(prompts))
     for name in names:
         url, model = servers[name]
-        await run_batch(url, model, prompts[:1], min(cfg.max_tokens, 8), 1)
-    results: dict[str, list[BatchResult]] = {name: [] for name in names}
-    with tqdm(total=cfg.rounds * len(names), desc="bench servers", unit="batch") as progress:
+        await run_batch(url, model, prompts[:warm], min(cfg.max_tokens, 8), warm)
+    alone = None
+    if 1 not in cfg.concurrency and BASELINE in servers:
+        alone = await run_batch(*servers[BASELINE], prompts, cfg.max_tokens, 1)
+    results: dict[str, dict[int, list[BatchResult]]] = {name: {c: [] for c in cfg.concurrency} for name in names}
+    with tqdm(total=cfg.rounds * len(cfg.concurrency) * len(names), desc="bench servers", unit="batch") as progress:
         for round_index in range(cfg.rounds):
             order = names[round_index % len(names) :] + names[: round_index % len(names)]
-            for name in order:
-                url, model = servers[name]
-                batch = await run_batch(url, model, prompts, cfg.max_tokens, cfg.concurrency)
-                results[name].append(batch)
-                progress.set_postfix_str(f"{name}: {sum(r.tokens for r in batch.records) / batch.wall_s:.1f} tok/s")
-                progress.update()
-    return results
+            for c in cfg.concurrency:
+                requests = requests_for(prompts, c)
+                for name in order:
+                    url, model = servers[name]
+                    batch = await run_batch(url, model, requests, cfg.max_tokens, c)
+                    results[name][c].append(batch)
+                    failed = sum(not r.ok for r in batch.records)
+                    tokens = sum(r.tokens for r in batch.records)
+                    progress.set_postfix_str(
+                        f"{name} c={c}: {tokens / batch.wall_s:.1f} tok/s" + (f", {failed} failed" if failed else "")
+                    )
+                    progress.update()
+    return results, alone
 
 
 def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[list[int]] | None = None) -> dict:
-    """Measure every server (started in-process unless ``cfg.urls``) and, optionally, the HF peer.
+    """Measure every server (started in-process unless ``cfg.urls``) at every ``cfg.concurrency`` and,
+    optionally, the HF peer (c = 1 only).
 
     Args:
         cfg: what to measure. model, tokenizer: an already loaded target (else loaded from ``cfg.target``).
         prompts: token-id prompts (else ``load_prompts`` from the held-out tasks).
 
     Returns:
-        The report dict: ``{"config", "rows": {method: row}}`` (rows as ``summarize`` + speedup/verdict).
+        The report dict of ``build_report``: ``{"config", "concurrency", "reference", "methods": {name:
+        {"kind", "per_concurrency": [row per c], "scaling", "verdict", ...}}}``.
 
     Raises:
         MemoryPlanError: an in-process method does not fit. ValueError / FileNotFoundError: a bad method.
@@ -496,18 +785,27 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
                 engines[method] = Engine(model, tokenizer, spec, model_name=cfg.target, max_model_len=cfg.max_model_len)
                 server = stack.enter_context(BackgroundServer(create_app(engines[method])))
                 servers[method] = (server.url, cfg.target)
-        results = asyncio.run(_measure(servers, prompts, cfg))
-    reference_texts = [r.text for r in results[BASELINE][-1].records] if BASELINE in results else None
-    rows = {name: summarize(batches, reference_texts) for name, batches in results.items()}
-    add_verdicts(rows)
+        results, alone = asyncio.run(_measure(servers, prompts, cfg))
+    reference_batch = alone if alone is not None else (results[BASELINE][1][-1] if BASELINE in results else None)
+    reference_texts = reference_texts_of(reference_batch) if reference_batch is not None else None
+    reference_info = {
+        "method": BASELINE,
+        "concurrency": 1,
+        "available": reference_batch is not None,
+        "separate_run": alone is not None,
+        "failed": sum(not r.ok for r in reference_batch.records) if reference_batch is not None else None,
+    }
+    hf_results = None
     if cfg.hf_peer:
         eos = stop_token_ids(model, tokenizer)
         draft = None
         if cfg.draft_model:
             draft, _ = load_causal_lm(cfg.draft_model, dtype=cfg.dtype, role="draft model")
             draft.to(cfg.device)
-        hf_rows = _hf_rows(hf_peer(model, tokenizer, prompts, cfg, eos, draft), reference_texts)
-        add_verdicts(hf_rows, baseline=HF_BASELINE, prefix="hf:")
-        rows.update(hf_rows)
-    config = asdict(cfg) | {"num_prompts": len(prompts), "torch": torch.__version__}
-    return {"config": config, "rows": rows}
+        hf_results = hf_peer(model, tokenizer, prompts, cfg, eos, draft)
+    config = asdict(cfg) | {
+        "num_prompts": len(prompts),
+        "requests_per_batch": [max(len(prompts), c) for c in cfg.concurrency],
+        "torch": torch.__version__,
+    }
+    return build_report(config, results, reference_texts, reference_info, hf_results)

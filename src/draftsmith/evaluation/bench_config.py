@@ -32,7 +32,9 @@ class BenchConfig:
         draft_model: the model of drafters that draft with a plain causal LM, and the HF assistant.
         prompt_lookup_min, prompt_lookup_max: n-gram lookup bounds (and HF's max_matching_ngram_size).
         num_prompts, tasks: prompts taken round robin from these held-out tasks.
-        max_tokens: completion length asked per request. concurrency: requests in flight per server.
+        max_tokens: completion length asked per request.
+        concurrency: the levels of requests in flight per server, sorted and unique, each >= 1 (an int is taken
+            as one level); at level c a batch sends ``max(num_prompts, c)`` requests (prompts cycled).
         rounds: repetitions (interleaved across methods); throughput is the median over rounds.
         threads: ``torch.set_num_threads`` for the whole run. dtype, device: of the in-process target.
         max_model_len: the in-process engines' limit (memory plan). hf_peer: also run HF assisted generation.
@@ -50,7 +52,7 @@ class BenchConfig:
     num_prompts: int = 8
     tasks: list[str] = field(default_factory=lambda: list(TASK_NAMES))
     max_tokens: int = 64
-    concurrency: int = 1
+    concurrency: tuple[int, ...] = (1,)
     rounds: int = 3
     threads: int = 2
     dtype: str = "float32"
@@ -58,6 +60,23 @@ class BenchConfig:
     max_model_len: int | None = None
     hf_peer: bool = False
     out: str = "runs/bench"
+
+    def __post_init__(self):
+        self.concurrency = normalize_concurrency(self.concurrency)
+
+
+def normalize_concurrency(value) -> tuple[int, ...]:
+    """``value`` (an int or ints) as a sorted tuple of unique ints >= 1.
+
+    Raises:
+        ValueError: empty, not integers, or a level below 1.
+    """
+    levels = [value] if isinstance(value, int) else list(value)
+    if not levels or any(isinstance(c, bool) or not isinstance(c, int) for c in levels):
+        raise ValueError(f"concurrency {value!r}: pass one or more integers, e.g. --concurrency 1 4 16 32")
+    if min(levels) < 1:
+        raise ValueError(f"concurrency {value!r}: every level must be >= 1 (requests in flight)")
+    return tuple(sorted(set(levels)))
 
 
 def default_methods(cfg: BenchConfig) -> list[str]:
@@ -126,7 +145,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--num-prompts", type=arg.positive_int, default=d.num_prompts)
     p.add_argument("--tasks", nargs="+", default=d.tasks, choices=TASK_NAMES)
     p.add_argument("--max-tokens", type=arg.positive_int, default=d.max_tokens)
-    p.add_argument("--concurrency", type=arg.positive_int, default=d.concurrency)
+    p.add_argument(
+        "--concurrency",
+        nargs="+",
+        type=arg.positive_int,
+        default=list(d.concurrency),
+        help="requests in flight per server, one or more levels (e.g. 1 4 16 32); each level sends "
+        "max(--num-prompts, c) requests, cycling the prompts",
+    )
     p.add_argument("--rounds", type=arg.positive_int, default=d.rounds)
     p.add_argument("--threads", type=arg.positive_int, default=d.threads)
     p.add_argument("--dtype", type=arg.dtype, default=d.dtype, help=", ".join(arg.DTYPE_NAMES))
