@@ -259,18 +259,18 @@ def test_max_new_tokens_never_overshoots(target, plain, max_new_tokens):
 
 def test_stop_inside_a_chunk_emits_up_to_the_stop():
     """The issue's case: chunk [a, b, STOP, c, d, e] with max_tokens 5 emits [a, b, STOP], finish 'stop'."""
-    from draftsmith.core.generate import _Output
+    from draftsmith.core.sequence import Emitted
 
     a, b, stop, c, d, e = 10, 11, 1, 12, 13, 14
     seen = []
-    out = _Output(GenerationConfig(max_new_tokens=5, eos_token_ids=[stop]), on_tokens=seen.append)
+    out = Emitted(GenerationConfig(max_new_tokens=5, eos_token_ids=[stop]), on_tokens=seen.append)
     assert out.extend([a, b, stop, c, d, e]) is True
     assert (out.tokens, out.finish_reason, seen) == ([a, b, stop], "stop", [[a, b, stop]])
-    out = _Output(GenerationConfig(max_new_tokens=5, stop_token_ids=[stop]))  # a stop id, not EOS: same
+    out = Emitted(GenerationConfig(max_new_tokens=5, stop_token_ids=[stop]))  # a stop id, not EOS: same
     assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop], "stop")
-    out = _Output(GenerationConfig(max_new_tokens=5))  # no stop: cut at 5
+    out = Emitted(GenerationConfig(max_new_tokens=5))  # no stop: cut at 5
     assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop, c, d], "length")
-    out = _Output(GenerationConfig(max_new_tokens=5, eos_token_ids=[e]))  # stop after max_tokens: length
+    out = Emitted(GenerationConfig(max_new_tokens=5, eos_token_ids=[e]))  # stop after max_tokens: length
     assert out.extend([a, b, stop, c, d, e]) and (out.tokens, out.finish_reason) == ([a, b, stop, c, d], "length")
 
 

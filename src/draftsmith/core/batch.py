@@ -13,7 +13,7 @@ One ``BatchDecoder.step()``:
      (``TargetModel.forward_batch``: padded, per-row positions and masks); each row is verified alone (greedy or
      rejection sampling with its own p, q, generator: ``verify.py``), keeps 1 + n_b slots of the cache
      (``BatchKVCache.commit``: per-row rollback), records its counters and appends its tokens through the same
-     stop rules as one sequence (``generate._Output``).
+     stop rules as one sequence (``sequence.Emitted``).
 
 Row independence (tested): a row's drafts, p, q, random draws, stops and cache depend on that row only, so its
 output equals the same request decoded alone, whatever else is in the batch, up to the rounding of batched
@@ -32,19 +32,19 @@ from typing import Callable, Sequence
 import torch
 
 from draftsmith.core.batch_cache import BatchKVCache
-from draftsmith.core.generate import (
+from draftsmith.core.proposer import BatchProposer, Proposal, Sampling
+from draftsmith.core.sampling import draft_seed, seeded_generator
+from draftsmith.core.sequence import (
+    Emitted,
     GenerationConfig,
     GenerationResult,
     SpecStats,
     VerifyStep,
-    _as_prompt,
-    _check_length,
-    _checked,
-    _next_token,
-    _Output,
+    as_prompt,
+    check_length,
+    check_proposal,
+    next_token,
 )
-from draftsmith.core.proposer import BatchProposer, Proposal, Sampling
-from draftsmith.core.sampling import draft_seed, seeded_generator
 from draftsmith.core.target import TargetModel, TargetStep
 from draftsmith.core.verify import verify_greedy, verify_sampling
 
@@ -62,7 +62,7 @@ class BatchSequence:
             ``draft_seed(cfg.seed)``, as the engine does).
         on_tokens: called with each emitted chunk after the stop rules; an exception it raises ends THIS row
             (kept in ``error``), as in ``generate_speculative``.
-        on_step: called with each verify step of this row (``generate.VerifyStep``; draft_s / verify_s are the
+        on_step: called with each verify step of this row (``sequence.VerifyStep``; draft_s / verify_s are the
             whole batch step's, shared by its rows), before its tokens reach ``on_tokens``.
 
     Attributes:
@@ -83,10 +83,10 @@ class BatchSequence:
     result: GenerationResult | None = None
 
     def __post_init__(self):
-        self.prompt = _as_prompt(self.prompt_ids)
+        self.prompt = as_prompt(self.prompt_ids)
         if self.sampling is None:
             self.sampling = Sampling(self.cfg.temperature, self.cfg.top_k, self.cfg.top_p, draft_seed(self.cfg.seed))
-        self.out = _Output(self.cfg, self.on_tokens)
+        self.out = Emitted(self.cfg, self.on_tokens)
         self.stats: SpecStats | None = None
         self.forwards = 0
         self.prefilled = 0  # prompt tokens the target has read
@@ -157,7 +157,7 @@ class BatchDecoder:
 
         Raises:
             ValueError: prompt + max_new_tokens beyond the target's position limit."""
-        _check_length(self.target, seq.prompt, seq.cfg)
+        check_length(self.target, seq.prompt, seq.cfg)
         seq.stats = SpecStats(k=self.k) if self.proposer is not None else None
         if seq.out.finish_reason:  # max_new_tokens 0
             self._finish(seq)
@@ -297,7 +297,7 @@ class BatchDecoder:
                 continue
             self.waiting.remove(seq)
             seq.generator = seeded_generator(self.target.device, seq.cfg.seed)
-            first = _next_token(row.logits[-1], seq.cfg, seq.generator)
+            first = next_token(row.logits[-1], seq.cfg, seq.generator)
             if self._emit(seq, [first]):
                 ended.append(seq)
                 continue
@@ -334,7 +334,7 @@ class BatchDecoder:
                 raise ValueError(
                     f"{type(self.proposer).__name__}.propose returned {len(proposals)} proposals for {len(rows)} rows"
                 )
-            proposals = [_checked(p, k, self.target.vocab_size, self.proposer) for p, k in zip(proposals, ks)]
+            proposals = [check_proposal(p, k, self.target.vocab_size, self.proposer) for p, k in zip(proposals, ks)]
         else:
             proposals = [Proposal.empty() for _ in rows]
         t1 = time.perf_counter()

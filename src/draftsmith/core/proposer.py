@@ -95,6 +95,11 @@ class BatchProposer(abc.ABC):
     needs_aux_hidden: bool = False
     needs_final_hidden: bool = False
 
+    @property
+    def name(self) -> str:
+        """What error messages call this drafter (its class name)."""
+        return type(self).__name__
+
     @abc.abstractmethod
     def start(self, key: int, prompt_ids: torch.Tensor, first_token: int, target_step, sampling: Sampling) -> None:
         """A sequence joins: context = ``prompt_ids`` ``[T]`` + ``first_token``; ``target_step`` is its prefill
@@ -143,6 +148,11 @@ class PerSequence(BatchProposer):
             needs_aux_hidden=proposer.needs_aux_hidden,
             needs_final_hidden=proposer.needs_final_hidden,
         )
+
+    @property
+    def name(self) -> str:
+        """The per-sequence proposers' class name (``PerSequence`` before any row started)."""
+        return type(next(iter(self.rows.values()))).__name__ if self.rows else type(self).__name__
 
     def start(self, key, prompt_ids, first_token, target_step, sampling) -> None:
         proposer = self.factory(sampling)
