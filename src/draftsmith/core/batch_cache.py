@@ -305,6 +305,32 @@ class BatchKVCache:
         self._pending = None
         self.trim()
 
+    def truncate(self, row: int, length: int) -> None:
+        """Crop row ``row`` to its first ``length`` tokens, the per-row ``KVCache.crop(length)``: its slots holding
+        positions >= ``length`` become holes and ``lengths[row] = length`` (its next token is read at position
+        ``length``); the other rows are untouched; then ``trim``. For a drafter rolling back rejected drafts
+        between forwards (``commit`` rolls back within the forward it follows only).
+
+        Args:
+            row: the row index, 0..B-1. length: tokens it keeps, 0..lengths[row] (``lengths[row]``: nothing to do).
+
+        Raises:
+            ValueError: a forward is pending (``begin`` without ``commit``), ``row`` outside 0..B-1, or ``length``
+                outside 0..lengths[row].
+        """
+        if self._pending is not None:
+            raise ValueError("truncate() during a pending forward: commit() it first")
+        if not 0 <= row < self.batch_size:
+            raise ValueError(f"row {row} outside 0..{self.batch_size - 1}")
+        if not 0 <= length <= self.lengths[row]:
+            raise ValueError(f"row {row} holds {self.lengths[row]} tokens; cannot truncate it to {length}")
+        if length == self.lengths[row]:
+            return
+        # a row's valid slots hold its positions 0..lengths[row]-1, each once, in order (``begin`` / ``commit``)
+        self.valid[row] &= self.slot_pos[row] < length
+        self.lengths[row] = length
+        self.trim()
+
     def trim(self) -> None:
         """Cut trailing slots invalid in every row; ``compact`` when holes exceed half of the slots."""
         if not self.batch_size:

@@ -23,7 +23,12 @@ from draftsmith.drafters.draft_model.export import (
     export_draft_model,
     reexport_draft_model,
 )
-from draftsmith.drafters.draft_model.proposer import DraftModelProposer, check_draft_positions, check_same_tokenizer
+from draftsmith.drafters.draft_model.proposer import (
+    BatchDraftModelProposer,
+    DraftModelProposer,
+    check_draft_positions,
+    check_same_tokenizer,
+)
 from draftsmith.drafters.draft_model.train import DraftModelSpec, build_draft_model
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.export.metadata import METADATA_FILE
@@ -52,6 +57,11 @@ class LoadedDraftModel(LoadedDrafter):
             top_p=sampling.top_p,
             seed=sampling.seed,
         )
+
+    def new_batch_proposer(self) -> BatchDraftModelProposer:
+        """One draft forward per draft position for the whole batch, one KV cache for all rows
+        (``BatchDraftModelProposer``); each row drafts what ``new_proposer`` would with its ``Sampling``."""
+        return BatchDraftModelProposer(self.model, self.target_vocab_size)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """``proposer.check_draft_positions``: a learned position table shorter than max_model_len is refused."""

@@ -10,15 +10,21 @@ cache to the longest common prefix of cached and context (at most len(context) â
 Greedy drafts (temperature 0) are argmax and return q = None (one-hot: the draft is deterministic);
 with temperature > 0 drafts are sampled from q = logits_to_probs(draft logits) and q is returned,
 as rejection sampling requires. Use the target's temperature / top-k / top-p for the best acceptance.
+
+``DraftModelProposer`` drafts for one sequence; ``BatchDraftModelProposer`` drafts for every row of a batch with
+the same bookkeeping per row and ONE ``BatchKVCache`` (``core/batch_cache.py``): each draft forward reads all rows.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-from draftsmith.core.proposer import Proposal, Proposer
+from draftsmith.core.batch_cache import BatchKVCache
+from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
 from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
 from draftsmith.core.target import TargetModel, has_learned_positions, position_limit
 
@@ -119,8 +125,7 @@ class DraftModelProposer(Proposer):
         are read at positions len(context)..len(context)+k-2, so k <= limit + 1 - len(context) (none past it:
         the target decodes alone there, as sequences past vLLM's ``speculative_max_model_len`` skip speculation;
         the engine refuses such a draft up front, ``engine.check_draft_positions``)."""
-        if self.lm.learned_positions:
-            k = min(k, self.lm.position_limit[1] + 1 - len(self._context))
+        k = _draft_budget(self.lm, len(self._context), k)
         if k <= 0:
             return Proposal.empty()
         logits = self._next_logits(self._context[len(self._cached) :])
@@ -139,14 +144,223 @@ class DraftModelProposer(Proposer):
 
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step=None) -> None:
         """Extend the context by ``emitted`` ``[n+1]``; crop the draft cache to what is still valid."""
-        # Cached tokens before the old context's end were read from the context, so they still match.
-        keep = min(len(self._cached), len(self._context))
-        self._context.extend(int(t) for t in emitted.tolist())
-        limit = min(len(self._cached), len(self._context) - 1)
-        while keep < limit and self._cached[keep] == self._context[keep]:
-            keep += 1
+        keep = _extend_and_keep(self._context, self._cached, emitted)
         self.cache.crop(keep)
         del self._cached[keep:]
+
+
+def _draft_budget(lm: TargetModel, context_len: int, k: int) -> int:
+    """Drafts (<= ``k``, may be <= 0) a draft LM may make after ``context_len`` tokens: a learned position table
+    bounds them (``DraftModelProposer.propose``), RoPE / ALiBi drafts are not bounded."""
+    if lm.learned_positions:
+        return min(k, lm.position_limit[1] + 1 - context_len)
+    return k
+
+
+def _extend_and_keep(context: list[int], cached: list[int], emitted: torch.Tensor) -> int:
+    """Append ``emitted`` ``[n+1]`` to ``context``; return how many leading ``cached`` tokens are still valid: the
+    longest common prefix of cached and the new context, at most len(context) - 1 (the last context token is fed
+    again, to get the next-token logits)."""
+    # Cached tokens before the old context's end were read from the context, so they still match.
+    keep = min(len(cached), len(context))
+    context.extend(int(t) for t in emitted.tolist())
+    limit = min(len(cached), len(context) - 1)
+    while keep < limit and cached[keep] == context[keep]:
+        keep += 1
+    return keep
+
+
+@dataclass(eq=False)
+class _Row:
+    """One sequence of a ``BatchDraftModelProposer``: the bookkeeping of ``DraftModelProposer`` (``context``,
+    ``cached``: the tokens in its cache row, none when it has no row) and its own sampling settings and generator."""
+
+    context: list[int]
+    cached: list[int]
+    sampling: Sampling
+    generator: torch.Generator
+
+    def draw(self, logits: torch.Tensor, argmax: int | None) -> tuple[int, torch.Tensor | None]:
+        """One draft from next-token logits ``[V]`` as ``DraftModelProposer.propose`` draws it: ``argmax`` (the
+        row's argmax, computed for the batch) with q None at temperature 0, else a draw from q ``[V]``."""
+        s = self.sampling
+        if s.temperature == 0:
+            return argmax, None
+        q = logits_to_probs(logits, s.temperature, s.top_k, s.top_p)  # [V]
+        return int(sample(q, self.generator)), q
+
+
+class BatchDraftModelProposer(BatchProposer):
+    """The draft LM over a batch: ``DraftModelProposer``'s bookkeeping per row, ONE ``BatchKVCache`` for all rows,
+    and each draft forward reads every row (``TargetModel.forward_batch``).
+
+    - ``start`` prefills the row's prompt ``[T]`` in its own one-row cache (``last_only``: its logits are not
+      needed) and ``merge``s it, so that ``cached`` = prompt and the first ``propose`` reads the first token;
+    - ``propose(keys, ks)``: forward 1 reads each drafting row's uncached context (ragged, ``[T_b]``, >= 1 token),
+      then forwards 2..max(k) read one draft per row still drafting; every row draws from its own logits with its
+      own settings and generator, as ``DraftModelProposer`` would alone;
+    - ``accept`` keeps each row's longest valid prefix (``BatchKVCache.truncate``), as ``DraftModelProposer``
+      crops its cache; ``stop`` drops the row.
+
+    Rows not drafting in a forward (k_b = 0, or their k_b drafts already made) must still read one token, since
+    every cached row does: they RE-READ their last cached token in place (truncate by one, read it again at the
+    same position, keep it). Their cache then holds the same tokens at the same positions (the token's keys and
+    values recomputed: equal up to the batched kernels' rounding), nothing is rolled back afterwards, and no row
+    ever reads a position it had not read before, so a learned position table is never indexed past its end
+    (a dummy token would be read at the row's next position, which a row at the table's end does not have).
+    Taking such rows out of the batch instead would copy the whole cache twice per forward.
+
+    Learned positions (GPT-2 ``wpe``, OPT): k is bounded by the table as in ``DraftModelProposer.propose``; a row
+    whose context outgrows the table can never draft again and gives up its cache row (at ``start`` it never gets
+    one).
+
+    Args:
+        draft_model: transformers ``*ForCausalLM`` in eval mode, on any device (attention-only layers:
+            ``BatchKVCache``).
+        target_vocab_size: V of the target (``TargetModel.vocab_size``).
+        target_tokenizer, draft_tokenizer: when both are given, ``check_same_tokenizer`` runs.
+
+    Raises:
+        ValueError: as ``DraftModelProposer``; or a draft whose layers cannot be rolled back per row
+            (``BatchKVCache``).
+    """
+
+    def __init__(self, draft_model, target_vocab_size: int, *, target_tokenizer=None, draft_tokenizer=None):
+        DraftModelProposer(  # its checks: vocabulary size, tokenizers
+            draft_model, target_vocab_size, target_tokenizer=target_tokenizer, draft_tokenizer=draft_tokenizer
+        )
+        self.lm = TargetModel(draft_model)
+        self.cache = BatchKVCache(draft_model.config)
+        self.order: list[int] = []  # keys of the rows in the cache, in cache row order
+        self.rows: dict[int, _Row] = {}
+
+    def _fits(self, row: _Row) -> bool:
+        """False when the row can never draft again (its context outgrew a learned position table)."""
+        return _draft_budget(self.lm, len(row.context), 1) >= 1
+
+    def start(self, key: int, prompt_ids: torch.Tensor, first_token: int, target_step, sampling: Sampling) -> None:
+        """Row ``key`` joins: context = ``prompt_ids`` ``[T]`` (T >= 1) + ``first_token``; the prompt is prefilled
+        into a new cache row. ``target_step`` is not read. A key already started is restarted.
+
+        Raises:
+            ValueError: an empty prompt, or a negative temperature."""
+        if sampling.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+        prompt = [int(t) for t in torch.as_tensor(prompt_ids).reshape(-1).tolist()]
+        if not prompt:
+            raise ValueError("prompt_ids must hold at least one token")
+        self.stop(key)
+        row = _Row(prompt + [int(first_token)], [], sampling, seeded_generator(self.lm.device, sampling.seed))
+        self.rows[key] = row
+        if not self._fits(row):
+            return
+        own = BatchKVCache(self.lm.model.config)
+        own.add_empty_row()
+        self.lm.forward_batch([torch.tensor(prompt)], own, last_only=True)
+        own.commit([len(prompt)])
+        self.cache.merge(own)
+        row.cached = prompt
+        self.order.append(key)
+
+    def _forward(self, inputs: list[list[int]]) -> torch.Tensor:
+        """One draft forward reading ``inputs[i]`` (>= 1 token) after cache row i, all kept; returns the logits
+        ``[B, V]`` after each row's last token."""
+        step = self.lm.forward_batch([torch.tensor(x) for x in inputs], self.cache, last_only=True)
+        self.cache.commit([len(x) for x in inputs])
+        return step.logits[:, 0]
+
+    def _reread(self, i: int, row: _Row) -> list[int]:
+        """The input of a row not drafting in this forward: its last cached token, read again in place."""
+        self.cache.truncate(i, len(row.cached) - 1)
+        return row.cached[-1:]
+
+    def propose(self, keys: Sequence[int], ks: Sequence[int]) -> list[Proposal]:
+        """Draft up to ``ks[b]`` tokens for row ``keys[b]`` (fewer where a learned position table ends): max(k')
+        forwards of the draft for the whole batch (none when no row drafts). Returns one ``Proposal`` per key:
+        tokens ``[k'_b]``, q ``[k'_b, V]`` (on the draft's device) or None at temperature 0.
+
+        Raises:
+            ValueError: ``keys`` and ``ks`` of different lengths. KeyError: a key not started."""
+        if len(keys) != len(ks):
+            raise ValueError(f"{len(keys)} keys but {len(ks)} draft counts")
+        index = {key: i for i, key in enumerate(self.order)}
+        want = [0] * len(self.order)  # drafts per cache row
+        for key, k in zip(keys, ks):
+            row = self.rows[key]
+            if key in index:
+                want[index[key]] = max(0, _draft_budget(self.lm, len(row.context), k))
+        rows = [self.rows[key] for key in self.order]
+        tokens: list[list[int]] = [[] for _ in rows]
+        qs: list[list[torch.Tensor]] = [[] for _ in rows]
+        depth = max(want, default=0)
+        if depth:
+            inputs = []
+            for i, row in enumerate(rows):
+                if want[i]:
+                    inputs.append(row.context[len(row.cached) :])
+                    row.cached.extend(inputs[-1])
+                else:
+                    inputs.append(self._reread(i, row))
+            for d in range(depth):
+                logits = self._forward(inputs)  # [B, V]
+                greedy = logits.argmax(dim=-1).tolist() if any(r.sampling.temperature == 0 for r in rows) else None
+                for i, row in enumerate(rows):
+                    if d < want[i]:
+                        token, q = row.draw(logits[i], greedy[i] if greedy is not None else None)
+                        tokens[i].append(token)
+                        if q is not None:
+                            qs[i].append(q)
+                if d + 1 == depth:  # d_k is not read (as DraftModelProposer: cached = context + d_1..d_{k-1})
+                    break
+                inputs = []
+                for i, row in enumerate(rows):
+                    if d + 1 < want[i]:  # this row's newest draft is read to draft its next
+                        inputs.append(tokens[i][-1:])
+                        row.cached.append(tokens[i][-1])
+                    else:
+                        inputs.append(self._reread(i, row))
+        out = []
+        for key in keys:
+            i = index.get(key)
+            if i is None or not tokens[i]:
+                out.append(Proposal.empty())
+            else:
+                out.append(Proposal(torch.tensor(tokens[i], dtype=torch.long), torch.stack(qs[i]) if qs[i] else None))
+        return out
+
+    def accept(self, keys: Sequence[int], n_accepted: Sequence[int], emitted: Sequence[torch.Tensor], step) -> None:
+        """Row ``keys[b]`` appends ``emitted[b]`` ``[n+1]`` to its context; its cache row is truncated to its longest
+        valid prefix (``DraftModelProposer.accept``), or dropped once it can never draft again. ``step`` (the
+        target's verify forward) and ``n_accepted`` are not read: ``emitted`` says it all."""
+        index = {key: i for i, key in enumerate(self.order)}
+        gone = []
+        for b, key in enumerate(keys):
+            row = self.rows[key]
+            keep = _extend_and_keep(row.context, row.cached, emitted[b])
+            del row.cached[keep:]
+            i = index.get(key)
+            if i is None:
+                continue
+            if not self._fits(row):
+                gone.append(i)
+            else:
+                self.cache.truncate(i, keep)
+        if gone:
+            self._remove(gone)
+
+    def _remove(self, rows: list[int]) -> None:
+        """Drop cache rows ``rows`` (indices); their sequences hold no cache row afterwards."""
+        self.cache.remove_rows(rows)
+        drop = set(rows)
+        for i in drop:
+            self.rows[self.order[i]].cached = []
+        self.order = [key for i, key in enumerate(self.order) if i not in drop]
+
+    def stop(self, key: int) -> None:
+        """Row ``key`` left: its state and cache row are dropped (an unknown key: nothing to do)."""
+        if key in self.order:
+            self._remove([self.order.index(key)])
+        self.rows.pop(key, None)
 
 
 def check_draft_positions(draft_model, name: str, max_model_len: int, warn: bool = True) -> None:
