@@ -20,8 +20,10 @@ def main(job_path: str) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    model, spec = job["target"], None
-    if job["draft"] and model:
+    model, spec = job["target"], job.get("spec")
+    if spec is not None:  # a whole speculative config (e.g. ngram: no draft directory)
+        pass
+    elif job["draft"] and model:
         spec = {"method": job["method"], "model": job["draft"], "num_speculative_tokens": job["k"]}
     elif job["draft"]:  # `vllm serve HEAD/speculators`: the config names the target
         model, spec = job["draft"], {"num_speculative_tokens": job["k"]}
@@ -53,19 +55,23 @@ def main(job_path: str) -> None:
     params = SamplingParams(
         temperature=0.0, max_tokens=job["max_tokens"], stop_token_ids=job["stop_token_ids"], detokenize=False
     )
-    outputs, per_prompt = [], []
-    t0 = time.perf_counter()
-    for ids in job["prompts"]:
-        before = counters()
-        [res] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
-        after = counters()
-        out = res.outputs[0]
-        outputs.append({"tokens": list(out.token_ids), "finish_reason": out.finish_reason})
-        per_prompt.append({"before": before, "after": after})
+    passes = []  # seconds of each pass over the prompts (job["repeats"] passes; outputs of the last)
+    for _ in range(int(job.get("repeats", 1))):
+        outputs, per_prompt = [], []
+        t0 = time.perf_counter()
+        for ids in job["prompts"]:
+            before = counters()
+            [res] = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+            after = counters()
+            out = res.outputs[0]
+            outputs.append({"tokens": list(out.token_ids), "finish_reason": out.finish_reason})
+            per_prompt.append({"before": before, "after": after})
+        passes.append(time.perf_counter() - t0)
     result = {
         "vllm_version": vllm.__version__,
         "startup_s": startup,
-        "decode_s": time.perf_counter() - t0,
+        "decode_s": passes[0],
+        "passes_s": passes,
         "outputs": outputs,
         "counters": per_prompt,
         "speculative_config": spec,
