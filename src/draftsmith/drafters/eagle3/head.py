@@ -163,6 +163,10 @@ class HeadKV:
         self.prefix_k = k if self.prefix_k is None else torch.cat([self.prefix_k, k], dim=2)
         self.prefix_v = v if self.prefix_v is None else torch.cat([self.prefix_v, v], dim=2)
 
+    def prefix_heads(self, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix K, V with each of the nkv heads repeated ``rep`` times: [B, nkv * rep, L, hd] (grouped queries)."""
+        return self.prefix_k.repeat_interleave(rep, dim=1), self.prefix_v.repeat_interleave(rep, dim=1)
+
     def visible(self, t: int) -> torch.Tensor:
         """Which prefix keys the T queries of a call see: [T, L] bool, query t rooted at entry L - T + t."""
         L = self.length
@@ -192,6 +196,7 @@ class RaggedHeadKV(HeadKV):
 
     def _view(self) -> None:
         """Refresh ``prefix_k`` / ``prefix_v`` [B, nkv, L, hd] from the pool."""
+        self._heads: tuple[int, torch.Tensor, torch.Tensor] | None = None
         L, first = max(self.lengths), self.slots[0]
         if self.slots == list(range(first, first + len(self.slots))):
             self.prefix_k = self.pool_k[first : first + len(self.slots), :, :L]
@@ -217,6 +222,18 @@ class RaggedHeadKV(HeadKV):
         self.pool_v[slots, :, entries] = v.transpose(1, 2)
         self.lengths = [n + t for n in self.lengths]
         self._view()
+
+    def prefix_heads(self, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``HeadKV.prefix_heads`` (the same values), computed once until the prefix changes: the chain steps
+        of one draft share it."""
+        if self._heads is None or self._heads[0] != rep:
+            b, nkv, L, hd = self.prefix_k.shape
+            k, v = (
+                x[:, :, None].expand(b, nkv, rep, L, hd).reshape(b, nkv * rep, L, hd)
+                for x in (self.prefix_k, self.prefix_v)
+            )
+            self._heads = (rep, k, v)
+        return self._heads[1], self._heads[2]
 
     def visible(self, t: int) -> torch.Tensor:
         """[B, 1, T, L] bool: query t of row b sees the row's prefix entries 0 .. lengths[b] - T + t."""
@@ -270,8 +287,7 @@ def attend(q: torch.Tensor, kv: HeadKV) -> torch.Tensor:
     b, nh, t, hd = q.shape
     rep = nh // kv.prefix_k.shape[1]
     scale = 1.0 / math.sqrt(hd)
-    pk = kv.prefix_k.repeat_interleave(rep, dim=1)  # [B, nh, L, hd]
-    pv = kv.prefix_v.repeat_interleave(rep, dim=1)
+    pk, pv = kv.prefix_heads(rep)  # [B, nh, L, hd]
     L = pk.shape[2]
     scores = torch.matmul(q, pk.transpose(-1, -2)) * scale  # [B, nh, T, L]
     scores = scores.masked_fill(~kv.visible(t), float("-inf"))  # [T, L] (one prefix) or [B, 1, T, L] (ragged)
