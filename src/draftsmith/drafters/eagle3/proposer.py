@@ -258,6 +258,8 @@ class BatchEagle3Proposer(BatchProposer):
     # -- the contract ----------------------------------------------------------------------------
     @torch.inference_mode()
     def start(self, key, prompt_ids, first_token, target_step, sampling) -> None:
+        """Row ``key`` joins: a slot, its generator (``sampling.seed``) and one prefix step over the prompt's
+        ``target_step.aux_hidden`` [T, 3H] with tokens prompt_ids[1:] + first_token [T]."""
         if sampling.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
         if target_step.aux_hidden is None:
@@ -285,6 +287,7 @@ class BatchEagle3Proposer(BatchProposer):
 
     @torch.inference_mode()
     def propose(self, keys, ks) -> list[Proposal]:
+        """ks[b] drafts for row keys[b] (tokens [ks[b]], q [ks[b], V] when it samples); chain steps batched."""
         self._compact()
         drafting = [b for b, k in enumerate(ks) if k > 0]
         tokens: list[list[int]] = [[] for _ in keys]
@@ -326,6 +329,8 @@ class BatchEagle3Proposer(BatchProposer):
 
     @torch.inference_mode()
     def accept(self, keys, n_accepted, emitted, step) -> None:
+        """Extend every row's prefix by its n_b + 1 verified positions (``step.aux_hidden`` [B, T, 3H]) in one
+        prefix step."""
         if not keys:
             return
         if step.aux_hidden is None or step.aux_hidden.shape[0] != len(keys):
@@ -345,5 +350,6 @@ class BatchEagle3Proposer(BatchProposer):
         self._extend(keys, aux, next_tokens, counts)
 
     def stop(self, key) -> None:
+        """Drop row ``key``; its slot is reclaimed (the pool compacted) at the next call."""
         if self.rows.pop(key, None) is not None:
             self._stale = True
