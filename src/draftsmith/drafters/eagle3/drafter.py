@@ -20,7 +20,7 @@ from draftsmith.drafters.eagle3.config import Section
 from draftsmith.drafters.eagle3.export import eagle3_card_lines, export_eagle3, reexport_head
 from draftsmith.drafters.eagle3.formats import FORMATS
 from draftsmith.drafters.eagle3.head import Eagle3Config, Eagle3Head
-from draftsmith.drafters.eagle3.proposer import Eagle3Proposer, warn_beyond_trained_depth
+from draftsmith.drafters.eagle3.proposer import BatchEagle3Proposer, Eagle3Proposer, warn_beyond_trained_depth
 from draftsmith.drafters.eagle3.train import Eagle3Spec, build_head
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.export.metadata import METADATA_FILE
@@ -43,6 +43,10 @@ class LoadedEagle3(LoadedDrafter):
         return Eagle3Proposer(
             self.head, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed
         )
+
+    def new_batch_proposer(self) -> BatchEagle3Proposer:
+        """One head step per chain step for the whole batch (``BatchEagle3Proposer``)."""
+        return BatchEagle3Proposer(self.head)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """A head (RoPE, computed per position) declaring fewer positions than max_model_len runs past them

@@ -18,6 +18,10 @@ mode, the chain keys of its own row t (the "diagonal" of training-time test):
 
 Positions: step 0 at prefix index t uses position t; chain step i rooted at t uses position t + i
 (the drafted tokens' positions, as vLLM's EAGLE proposer increments them).
+
+Batched runtime (``RaggedHeadKV``): rows with prefixes of different lengths L_b share one slot pool
+[S, nkv, capacity, hd]; the same rule holds per row (query t of row b is rooted at its own entry
+L_b - T + t, keys past it masked), so a chain step of B rows is one head forward of [B, 1, ·] inputs.
 """
 
 from __future__ import annotations
@@ -147,10 +151,102 @@ class HeadKV:
 
     @property
     def length(self) -> int:
+        """Prefix entries L (the longest row's for ``RaggedHeadKV``)."""
         return 0 if self.prefix_k is None else self.prefix_k.shape[2]
 
     def reset_chain(self) -> None:
+        """Drop the chain keys (before the next prefix step or the next draft)."""
         self.chain = []
+
+    def append_prefix(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Prefix mode: append T new entries k, v [B, nkv, T, hd] after the L entries of every row."""
+        self.prefix_k = k if self.prefix_k is None else torch.cat([self.prefix_k, k], dim=2)
+        self.prefix_v = v if self.prefix_v is None else torch.cat([self.prefix_v, v], dim=2)
+
+    def prefix_heads(self, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefix K, V with each of the nkv heads repeated ``rep`` times: [B, nkv * rep, L, hd] (grouped queries)."""
+        return self.prefix_k.repeat_interleave(rep, dim=1), self.prefix_v.repeat_interleave(rep, dim=1)
+
+    def visible(self, t: int) -> torch.Tensor:
+        """Which prefix keys the T queries of a call see: [T, L] bool, query t rooted at entry L - T + t."""
+        L = self.length
+        roots = torch.arange(L - t, L, device=self.prefix_k.device)[:, None]  # [T, 1]
+        return torch.arange(L, device=self.prefix_k.device)[None, :] <= roots
+
+
+class RaggedHeadKV(HeadKV):
+    """Attention memory of B rows whose prefixes differ in length, kept in a slot pool (the batched runtime).
+
+    Row b owns pool slot ``slots[b]``: its prefix is ``pool_k[slots[b], :, :lengths[b]]``; entries past it are
+    padding (finite, never seen). ``prefix_k`` / ``prefix_v`` are the rows' view ``[B, nkv, L, hd]``, L = the
+    longest row's length (a slice of the pool when the slots are consecutive, else a gathered copy). The
+    module docstring's rule holds per row: query t of a call over T queries is rooted at the row's entry
+    ``lengths[b] - T + t`` (``visible``), so each row attends to its own prefix and its own chain keys only.
+
+    Args:
+        pool_k, pool_v: ``[S, nkv, capacity, hd]``, written in place by prefix steps (``append_prefix``).
+        slots: the B rows' slots (distinct). lengths: their prefix entries (``lengths[b] <= capacity``).
+    """
+
+    def __init__(self, pool_k: torch.Tensor, pool_v: torch.Tensor, slots: list[int], lengths: list[int]):
+        super().__init__()
+        self.pool_k, self.pool_v = pool_k, pool_v
+        self.slots, self.lengths = list(slots), list(lengths)
+        self._view()
+
+    def _view(self) -> None:
+        """Refresh ``prefix_k`` / ``prefix_v`` [B, nkv, L, hd] from the pool."""
+        self._heads: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        L, first = max(self.lengths), self.slots[0]
+        if self.slots == list(range(first, first + len(self.slots))):
+            self.prefix_k = self.pool_k[first : first + len(self.slots), :, :L]
+            self.prefix_v = self.pool_v[first : first + len(self.slots), :, :L]
+        else:
+            index = torch.tensor(self.slots, device=self.pool_k.device)
+            self.prefix_k = self.pool_k[:, :, :L].index_select(0, index)
+            self.prefix_v = self.pool_v[:, :, :L].index_select(0, index)
+
+    def append_prefix(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write k, v [B, nkv, T, hd] at entries ``lengths[b] .. lengths[b] + T - 1`` of each row's slot (rows
+        that need fewer than T entries get padding there, overwritten by their next prefix step).
+
+        Raises:
+            RuntimeError: some row would go past the pool's capacity."""
+        b, _, t, _ = k.shape
+        if max(self.lengths) + t > self.pool_k.shape[2]:
+            raise RuntimeError(f"RaggedHeadKV: {max(self.lengths)} + {t} entries exceed the pool's capacity")
+        dev = self.pool_k.device
+        slots = torch.tensor(self.slots, device=dev)[:, None]  # [B, 1]
+        entries = torch.tensor(self.lengths, device=dev)[:, None] + torch.arange(t, device=dev)  # [B, T]
+        self.pool_k[slots, :, entries] = k.transpose(1, 2)  # indexed [B, T, nkv, hd]
+        self.pool_v[slots, :, entries] = v.transpose(1, 2)
+        self.lengths = [n + t for n in self.lengths]
+        self._view()
+
+    def prefix_heads(self, rep: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """As ``HeadKV.prefix_heads`` (the same values), computed once until the prefix changes: the chain steps
+        of one draft share it."""
+        if self._heads is None or self._heads[0] != rep:
+            b, nkv, L, hd = self.prefix_k.shape
+            k, v = (
+                x[:, :, None].expand(b, nkv, rep, L, hd).reshape(b, nkv * rep, L, hd)
+                for x in (self.prefix_k, self.prefix_v)
+            )
+            self._heads = (rep, k, v)
+        return self._heads[1], self._heads[2]
+
+    def visible(self, t: int) -> torch.Tensor:
+        """[B, 1, T, L] bool: query t of row b sees the row's prefix entries 0 .. lengths[b] - T + t."""
+        dev = self.prefix_k.device
+        roots = torch.tensor(self.lengths, device=dev)[:, None] - t + torch.arange(t, device=dev)  # [B, T]
+        return (torch.arange(self.length, device=dev) <= roots[..., None])[:, None]
+
+    def select(self, rows: list[int]) -> "RaggedHeadKV":
+        """The memory of a subset of the rows (indices into this batch), chain keys included."""
+        out = RaggedHeadKV(self.pool_k, self.pool_v, [self.slots[b] for b in rows], [self.lengths[b] for b in rows])
+        index = torch.tensor(rows, device=self.pool_k.device)
+        out.chain = [(k.index_select(0, index), v.index_select(0, index)) for k, v in self.chain]
+        return out
 
 
 class Eagle3Attention(nn.Module):
@@ -173,8 +269,7 @@ class Eagle3Attention(nn.Module):
         if mode == "prefix":
             if kv.chain:
                 raise RuntimeError("prefix step after chain steps: call kv.reset_chain() first")
-            kv.prefix_k = k if kv.prefix_k is None else torch.cat([kv.prefix_k, k], dim=2)
-            kv.prefix_v = v if kv.prefix_v is None else torch.cat([kv.prefix_v, v], dim=2)
+            kv.append_prefix(k, v)
         elif mode == "chain":
             if kv.prefix_k is None or kv.length < t:
                 raise RuntimeError("chain step needs a prefix of at least T entries (run step 0 first)")
@@ -186,19 +281,16 @@ class Eagle3Attention(nn.Module):
 
 
 def attend(q: torch.Tensor, kv: HeadKV) -> torch.Tensor:
-    """Attention of queries q [B, nh, T, hd] rooted at the last T prefix entries (see module docstring).
+    """Attention of queries q [B, nh, T, hd] rooted at the last T prefix entries of each row (module docstring).
 
     Scores over prefix keys (causal by root) and the query's own chain keys share one softmax."""
     b, nh, t, hd = q.shape
     rep = nh // kv.prefix_k.shape[1]
     scale = 1.0 / math.sqrt(hd)
-    pk = kv.prefix_k.repeat_interleave(rep, dim=1)  # [B, nh, L, hd]
-    pv = kv.prefix_v.repeat_interleave(rep, dim=1)
+    pk, pv = kv.prefix_heads(rep)  # [B, nh, L, hd]
     L = pk.shape[2]
     scores = torch.matmul(q, pk.transpose(-1, -2)) * scale  # [B, nh, T, L]
-    roots = torch.arange(L - t, L, device=q.device)[:, None]  # [T, 1]
-    visible = torch.arange(L, device=q.device)[None, :] <= roots  # [T, L]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    scores = scores.masked_fill(~kv.visible(t), float("-inf"))  # [T, L] (one prefix) or [B, 1, T, L] (ragged)
     chain_v = []
     if kv.chain:
         ck = torch.stack([k.repeat_interleave(rep, dim=1) for k, _ in kv.chain], dim=-2)  # [B, nh, T, S, hd]

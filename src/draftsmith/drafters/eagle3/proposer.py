@@ -10,18 +10,25 @@ Alignment with the target's positions (same picture as ``train/ttt.py``):
 After verification the accepted drafts and the target's token extend the context: their n+1 aux rows
 (from the verify pass) become new prefix entries; chain entries are dropped. The head's q lives on
 the draft vocabulary and is scattered into the target vocabulary through d2t (zero elsewhere) before
-verification (DESIGN.md §7). Head steps run in the head's dtype; batch size 1.
+verification (DESIGN.md §7). Head steps run in the head's dtype.
+
+``Eagle3Proposer`` drafts for one sequence (batch size 1). ``BatchEagle3Proposer`` drafts for the rows of a
+batch: their prefixes (different lengths) live in one slot pool (``head.RaggedHeadKV``), so each chain step
+is ONE head forward over every row still drafting, and each accept ONE prefix step over every row (its
+n_b + 1 new entries padded to the longest); each row draws with its own settings and generator, exactly
+as ``Eagle3Proposer`` does alone.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
-from draftsmith.core.proposer import Proposal, Proposer
+from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
 from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
-from draftsmith.drafters.eagle3.head import Eagle3Head, HeadKV
+from draftsmith.drafters.eagle3.head import Eagle3Head, HeadKV, RaggedHeadKV
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +55,24 @@ def warn_beyond_trained_depth(k: int, ttt_steps: int | None, head: str, knob: st
         k,
     )
     return True
+
+
+def draw_draft(
+    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator, draft_ids: torch.Tensor, vocab_size: int
+) -> tuple[int, torch.Tensor | None]:
+    """One draft from draft-vocab logits [Vd]: (target id, q [V] float32 over the target vocab, or None).
+
+    Temperature 0: the argmax, q None. Else a token sampled with ``generator`` from q_draft = logits_to_probs(
+    logits, temperature, top_k, top_p) [Vd], scattered into the target vocabulary through ``draft_ids`` [Vd]
+    (the target ids of the draft vocabulary, ``head.draft_to_target``), zero elsewhere. ``sampling.seed`` is
+    not read (the generator was seeded already)."""
+    if sampling.temperature == 0:
+        return int(draft_ids[int(logits.argmax())]), None
+    q_draft = logits_to_probs(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p)  # [Vd]
+    d = int(sample(q_draft, generator))
+    q = torch.zeros(vocab_size, dtype=q_draft.dtype, device=q_draft.device)
+    q[draft_ids] = q_draft
+    return int(draft_ids[d]), q
 
 
 class Eagle3Proposer(Proposer):
@@ -97,13 +122,13 @@ class Eagle3Proposer(Proposer):
 
     def _draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
         """One draft from draft-vocab logits [Vd]: (target id, q over the target vocab [V] or None)."""
-        if self.temperature == 0:
-            return int(self.draft_ids[int(logits.argmax())]), None
-        q_draft = logits_to_probs(logits.float(), self.temperature, self.top_k, self.top_p)  # [Vd]
-        d = int(sample(q_draft, self.generator))
-        q = torch.zeros(self.head.config.vocab_size, dtype=q_draft.dtype, device=q_draft.device)
-        q[self.draft_ids] = q_draft
-        return int(self.draft_ids[d]), q
+        return draw_draft(
+            logits,
+            Sampling(self.temperature, self.top_k, self.top_p),
+            self.generator,
+            self.draft_ids,
+            self.head.config.vocab_size,
+        )
 
     @torch.inference_mode()
     def propose(self, k: int) -> Proposal:
@@ -126,3 +151,205 @@ class Eagle3Proposer(Proposer):
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:
         # rows 0..n of the verify pass read [last token, d1..dn]; the token after each is emitted[0..n]
         self._extend_prefix(target_step.aux_hidden[: n_accepted + 1], emitted[: n_accepted + 1])
+
+
+@dataclass(eq=False)
+class _Row:
+    """One sequence of a ``BatchEagle3Proposer``: how it draws, its prefix length, its last prefix step's output."""
+
+    sampling: Sampling
+    generator: torch.Generator
+    length: int = 0  #: prefix entries (context positions the head has read)
+    hidden: torch.Tensor | None = None  #: [H] pre-norm head output at the last prefix entry
+    logits: torch.Tensor | None = None  #: [Vd] its draft-vocab logits (draft 1 is drawn from them)
+
+
+class BatchEagle3Proposer(BatchProposer):
+    """EAGLE-3 drafts for every row of a batch, drafting per row exactly what ``Eagle3Proposer`` drafts alone.
+
+    State: one slot per row in a pool ``[S, nkv, capacity, hd]`` of prefix keys / values (slot order = join
+    order, compacted when rows leave, so the decode loop's rows are consecutive slots and attend to a slice of
+    the pool; any other order gathers a copy), the row's prefix length, and the head's output at its last
+    prefix entry (``_Row``).
+
+    - ``start``: one prefix step over the prompt's T aux rows (``[1, T, 3H]``), as ``Eagle3Proposer.start``.
+    - ``propose``: rows with ks[b] > 0 draft; chain step i is ONE head step over the B' rows still drafting
+      (``[B', 1, H]`` hidden, ``[B', 1]`` tokens, per-row positions L_b + i), each row attending to its own
+      prefix and chain keys (``RaggedHeadKV``); rows whose ks[b] is reached leave the chain. Greedy rows take
+      the argmax of the batch at once; sampling rows draw one by one with their own generator (``draw_draft``).
+    - ``accept``: ONE prefix step over every row of the verify step: row b's n_b + 1 aux rows
+      (``step.aux_hidden[b, :n_b + 1]``) and tokens ``emitted[b]``, padded to T = max n_b + 1 (the padding is
+      zeroed, written past the row's length and never attended to).
+
+    Args:
+        head: an ``Eagle3Head`` with the target's embedding bound (eval mode is set).
+
+    Raises:
+        ValueError: ``start`` with a negative temperature or without ``target_step.aux_hidden``; ``accept``
+            without ``step.aux_hidden`` or with another number of rows than keys.
+    """
+
+    needs_aux_hidden = True
+
+    def __init__(self, head: Eagle3Head):
+        self.head = head.eval()
+        self.device = head.fc.weight.device
+        c = head.config
+        self.draft_ids = head.draft_to_target(torch.arange(c.draft_vocab_size, device=self.device))  # [Vd]
+        self.rows: dict[int, _Row] = {}
+        self.order: list[int] = []  # row keys by slot (stopped rows stay until _compact)
+        self.slot: dict[int, int] = {}
+        self.pool_k: torch.Tensor | None = None  # [S, nkv, capacity, hd]
+        self.pool_v: torch.Tensor | None = None
+        self._stale = False  # some slot belongs to a stopped row
+
+    # -- the slot pool ---------------------------------------------------------------------------
+    def _compact(self) -> None:
+        """Drop the slots of stopped rows, keeping the others' order (slots 0..n-1)."""
+        if not self._stale:
+            return
+        self._stale = False
+        alive = [key for key in self.order if key in self.rows]
+        old = [self.slot[key] for key in alive]
+        self.order, self.slot = alive, {key: s for s, key in enumerate(alive)}
+        if not alive:
+            self.pool_k = self.pool_v = None
+        elif old != list(range(len(old))):
+            index = torch.tensor(old, device=self.device)
+            self.pool_k[: len(old)] = self.pool_k.index_select(0, index)
+            self.pool_v[: len(old)] = self.pool_v.index_select(0, index)
+
+    def _reserve(self, slots: int, entries: int) -> None:
+        """Grow the pool (doubling) to at least ``slots`` slots of ``entries`` entries."""
+        have_s, have_e = (0, 0) if self.pool_k is None else (self.pool_k.shape[0], self.pool_k.shape[2])
+        if slots <= have_s and entries <= have_e:
+            return
+        s = have_s if slots <= have_s else max(slots, 2 * have_s, 4)
+        e = have_e if entries <= have_e else max(entries, 2 * have_e, 64)
+        c = self.head.config
+        pools = []
+        for old in (self.pool_k, self.pool_v):
+            new = torch.zeros(
+                s, c.num_key_value_heads, e, c.head_dim, dtype=self.head.fc.weight.dtype, device=self.device
+            )
+            if old is not None:
+                new[:have_s, :, :have_e] = old
+            pools.append(new)
+        self.pool_k, self.pool_v = pools
+
+    def _extend(self, keys, aux_hidden: torch.Tensor, next_tokens: torch.Tensor, counts: list[int]) -> None:
+        """One prefix step for rows ``keys``: aux_hidden [B, T, 3H] and next_tokens [B, T] (the token after each
+        position), of which row b's first ``counts[b]`` are real (the rest padding, finite)."""
+        rows = [self.rows[key] for key in keys]
+        b, t = next_tokens.shape
+        lengths = [row.length for row in rows]
+        self._reserve(len(self.order), max(lengths) + t)
+        kv = RaggedHeadKV(self.pool_k, self.pool_v, [self.slot[key] for key in keys], lengths)
+        dev = self.device
+        positions = torch.tensor(lengths, device=dev)[:, None] + torch.arange(t, device=dev)  # [B, T]
+        g = self.head.fuse(aux_hidden.to(dev))  # [B, T, H]
+        hidden, _ = self.head.step(g, next_tokens.to(dev), kv, "prefix", position_ids=positions, with_logits=False)
+        last = hidden[torch.arange(b, device=dev), torch.tensor(counts, device=dev) - 1]  # [B, H]
+        logits = self.head.logits(last)  # [B, Vd]
+        for j, (row, n) in enumerate(zip(rows, counts)):
+            row.length += n
+            row.hidden, row.logits = last[j], logits[j]
+
+    # -- the contract ----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def start(self, key, prompt_ids, first_token, target_step, sampling) -> None:
+        """Row ``key`` joins: a slot, its generator (``sampling.seed``) and one prefix step over the prompt's
+        ``target_step.aux_hidden`` [T, 3H] with tokens prompt_ids[1:] + first_token [T]."""
+        if sampling.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {sampling.temperature}")
+        if target_step.aux_hidden is None:
+            raise ValueError("BatchEagle3Proposer needs the prefill's aux_hidden: build the target with aux_layer_ids")
+        self.stop(key)  # a key that starts again begins afresh
+        self._compact()
+        self.rows[key] = _Row(sampling, seeded_generator(self.device, sampling.seed))
+        self.slot[key] = len(self.order)
+        self.order.append(key)
+        next_tokens = torch.cat([prompt_ids[1:].cpu(), torch.tensor([first_token])])  # x_{j+1} for j < T
+        self._extend([key], target_step.aux_hidden[None], next_tokens[None].long(), [next_tokens.numel()])
+
+    def _draw(self, logits: torch.Tensor, rows: list[_Row], qs: list[list[torch.Tensor]]) -> torch.Tensor:
+        """One draft per row from logits [B', Vd]: target ids [B'] on the head's device; sampling rows append
+        their q [V] to ``qs[j]``."""
+        ids = self.draft_ids[logits.argmax(-1)]  # greedy rows (all at once)
+        for j, row in enumerate(rows):
+            if row.sampling.temperature > 0:
+                token, q = draw_draft(
+                    logits[j], row.sampling, row.generator, self.draft_ids, self.head.config.vocab_size
+                )
+                ids[j] = token
+                qs[j].append(q)
+        return ids
+
+    @torch.inference_mode()
+    def propose(self, keys, ks) -> list[Proposal]:
+        """ks[b] drafts for row keys[b] (tokens [ks[b]], q [ks[b], V] when it samples); chain steps batched."""
+        self._compact()
+        drafting = [b for b, k in enumerate(ks) if k > 0]
+        tokens: list[list[int]] = [[] for _ in keys]
+        qs: list[list[torch.Tensor]] = [[] for _ in keys]
+        if drafting:
+            rows = [self.rows[keys[b]] for b in drafting]
+            kv = RaggedHeadKV(
+                self.pool_k, self.pool_v, [self.slot[keys[b]] for b in drafting], [r.length for r in rows]
+            )
+            hidden = torch.stack([r.hidden for r in rows])[:, None]  # [B', 1, H]
+            logits = torch.stack([r.logits for r in rows])  # [B', Vd]
+            positions = torch.tensor([r.length for r in rows], device=self.device)  # chain step i at L_b + i
+            active, drawn = drafting, []
+            for i in range(max(ks[b] for b in drafting)):
+                ids = self._draw(logits, [self.rows[keys[b]] for b in active], [qs[b] for b in active])  # [B']
+                drawn.append((active, ids))
+                keep = [j for j, b in enumerate(active) if ks[b] > i + 1]
+                if not keep:
+                    break
+                if len(keep) < len(active):  # rows whose ks[b] is reached leave the chain
+                    index = torch.tensor(keep, device=self.device)
+                    kv, hidden, ids, positions = kv.select(keep), hidden[index], ids[index], positions[index]
+                    active = [active[j] for j in keep]
+                hidden, _ = self.head.step(
+                    hidden, ids[:, None], kv, "chain", position_ids=(positions + i)[:, None], with_logits=False
+                )
+                logits = self.head.logits(hidden[:, 0])
+            flat = iter(torch.cat([ids for _, ids in drawn]).tolist())
+            for rows_i, _ in drawn:
+                for b in rows_i:
+                    tokens[b].append(next(flat))
+        out = []
+        for b, key in enumerate(keys):
+            greedy = ks[b] <= 0 or self.rows[key].sampling.temperature == 0
+            out.append(
+                Proposal(torch.tensor(tokens[b], dtype=torch.long), None if greedy else torch.stack(qs[b]).cpu())
+            )
+        return out
+
+    @torch.inference_mode()
+    def accept(self, keys, n_accepted, emitted, step) -> None:
+        """Extend every row's prefix by its n_b + 1 verified positions (``step.aux_hidden`` [B, T, 3H]) in one
+        prefix step."""
+        if not keys:
+            return
+        if step.aux_hidden is None or step.aux_hidden.shape[0] != len(keys):
+            raise ValueError(
+                "BatchEagle3Proposer.accept needs the verify step's aux_hidden, one row per key: "
+                f"got {None if step.aux_hidden is None else tuple(step.aux_hidden.shape)} for {len(keys)} keys"
+            )
+        self._compact()
+        counts = [int(n) + 1 for n in n_accepted]
+        t = max(counts)
+        aux = step.aux_hidden[:, :t]  # [B, T, 3H]; row b's rows 0..n_b read [last token, d1..dn]
+        pad = torch.arange(t)[None] >= torch.tensor(counts)[:, None]  # [B, T]
+        aux = aux.masked_fill(pad.to(aux.device)[..., None], 0)
+        next_tokens = torch.zeros(len(keys), t, dtype=torch.long)
+        for b, (out, n) in enumerate(zip(emitted, counts)):
+            next_tokens[b, :n] = out[:n].cpu()  # the token after each row: emitted[0..n]
+        self._extend(keys, aux, next_tokens, counts)
+
+    def stop(self, key) -> None:
+        """Drop row ``key``; its slot is reclaimed (the pool compacted) at the next call."""
+        if self.rows.pop(key, None) is not None:
+            self._stale = True
