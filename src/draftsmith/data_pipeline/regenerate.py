@@ -10,9 +10,9 @@ Each assistant turn is replaced, turn by turn, by the target's answer to the con
 
   transformers   batched ``generate`` with left padding, in process; the default: on the reference
                  target 16 answers batched took 29 s against 160 s one at a time through the runtime,
-                 with identical greedy text (CPU, 1 thread), and the runtime decodes batch 1 by design;
-  draftsmith     draftsmith's own runtime (``core.generate.generate_plain``, one sequence at a time
-                 with a KV cache), exactly the decoding path ``draftsmith serve`` uses;
+                 with identical greedy text (CPU, 1 thread; the runtime then decoded batch 1);
+  draftsmith     draftsmith's own runtime (``core.batch.generate_batch``: a call's prompts decoded
+                 together, continuous batching), exactly the decoding path ``draftsmith serve`` uses;
   server         an OpenAI-compatible server (vLLM, ``draftsmith serve``) given its URL:
                  ``POST /v1/chat/completions``, one request per answer, ``batch_size`` in flight.
 
@@ -49,7 +49,8 @@ import torch
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
-from draftsmith.core.generate import GenerationConfig, generate_plain
+from draftsmith.core.batch import generate_batch
+from draftsmith.core.generate import GenerationConfig
 from draftsmith.core.stops import stop_token_ids
 from draftsmith.core.target import TargetModel
 from draftsmith.data_pipeline.chat import prompt_ids, render_text
@@ -185,7 +186,8 @@ class TransformersAnswerer:
 
 
 class RuntimeAnswerer:
-    """draftsmith's runtime: ``generate_plain`` over ``TargetModel``, one sequence at a time (batch 1).
+    """draftsmith's runtime: the prompts of a call decoded together (``core.batch.generate_batch``: continuous
+    batching, each answer as it would be alone, with its own seed).
 
     The prompt is tokenized as ``draftsmith serve`` does (``chat.prompt_ids``) and generation stops on
     the tokenizer's and the generation config's EOS ids, as the engine does."""
@@ -203,14 +205,17 @@ class RuntimeAnswerer:
     def answer(
         self, prompts: list[list[dict]], max_new_tokens: int, temperature: float, seeds: list[int]
     ) -> list[Answer]:
-        """Answers to ``prompts`` (see ``Answerer.answer``), each decoded on its own."""
+        """Answers to ``prompts`` (see ``Answerer.answer``), decoded in one batch."""
 
-        answers = []
-        for messages, seed in zip(prompts, seeds):
-            cfg = GenerationConfig(
+        cfgs = [
+            GenerationConfig(
                 max_new_tokens=max_new_tokens, temperature=temperature, seed=seed, eos_token_ids=self.eos_token_ids
             )
-            result = generate_plain(self.target, prompt_ids(self.tokenizer, messages), cfg)
+            for seed in seeds
+        ]
+        ids = [prompt_ids(self.tokenizer, messages) for messages in prompts]
+        answers = []
+        for result in generate_batch(self.target, None, ids, cfgs, max_num_seqs=max(1, len(ids))):
             finished = result.finish_reason == "stop"
             tokens = result.tokens[:-1] if finished else result.tokens  # the stop token is not text
             answers.append(Answer(self.tokenizer.decode(tokens, skip_special_tokens=True), finished))

@@ -28,7 +28,8 @@ class BenchConfig:
         methods: in-process servers to start: 'none' (no speculation) and drafter names; None = 'none', the
             head's drafter (when ``head`` is an export) and every drafter that needs no trained export.
         urls: running servers to measure instead of starting any (their /v1/models names the method).
-        k: num_speculative_tokens. head: an exported drafter directory (the row of its method).
+        k: num_speculative_tokens. head: an exported drafter directory, or several (one per drafter: each is
+            the row of the method its draftsmith.json records).
         draft_model: the model of drafters that draft with a plain causal LM, and the HF assistant.
         prompt_lookup_min, prompt_lookup_max: n-gram lookup bounds (and HF's max_matching_ngram_size).
         num_prompts, tasks: prompts taken round robin from these held-out tasks.
@@ -45,7 +46,7 @@ class BenchConfig:
     methods: list[str] | None = None
     urls: list[str] = field(default_factory=list)
     k: int = 5
-    head: str | None = "runs/reference-eagle3/head"
+    head: str | list[str] | None = "runs/reference-eagle3/head"
     draft_model: str = "reference-draft"
     prompt_lookup_min: int = 2
     prompt_lookup_max: int = 5
@@ -79,10 +80,25 @@ def normalize_concurrency(value) -> tuple[int, ...]:
     return tuple(sorted(set(levels)))
 
 
+def heads(cfg: BenchConfig) -> list[str]:
+    """The exported directories ``cfg.head`` names (none, one or several)."""
+    if not cfg.head:
+        return []
+    return [cfg.head] if isinstance(cfg.head, str) else list(cfg.head)
+
+
+def head_for(cfg: BenchConfig, method: str) -> str | None:
+    """The head among ``cfg.head`` whose recorded drafter is ``method`` (None: none is)."""
+    return next((h for h in heads(cfg) if recorded_head_type(h) == method), None)
+
+
 def default_methods(cfg: BenchConfig) -> list[str]:
-    """'none', the head's drafter (when ``cfg.head`` is an export) and every drafter needing no trained export."""
-    head_type = recorded_head_type(cfg.head) if cfg.head else None
-    rows = [BASELINE] + ([head_type] if head_type else [])
+    """'none', the heads' drafters (of ``cfg.head`` exports) and every drafter needing no trained export."""
+    rows = [BASELINE]
+    for head in heads(cfg):
+        head_type = recorded_head_type(head)
+        if head_type and head_type not in rows:
+            rows.append(head_type)
     for name in drafters.names():
         rules = drafters.config_module(name).RULES
         if name not in rows and (not rules.needs_model or rules.model_kind == "model"):
@@ -107,8 +123,9 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict | None:
     }
     if not rules.needs_model:
         return spec
-    if cfg.head and recorded_head_type(cfg.head) == method:
-        return {**spec, "model": cfg.head}
+    head = head_for(cfg, method)
+    if head:
+        return {**spec, "model": head}
     if rules.model_kind == "model":
         return {**spec, "model": cfg.draft_model}
     raise FileNotFoundError(
@@ -138,7 +155,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         "--url", dest="urls", action="append", default=[], type=arg.url, help="a running server (repeatable)"
     )
     p.add_argument("--k", type=arg.positive_int, default=d.k)
-    p.add_argument("--head", default=d.head, help="exported EAGLE-3 head directory")
+    p.add_argument(
+        "--head", nargs="+", default=d.head, help="exported drafter directories (one per trained method: eagle3, ...)"
+    )
     p.add_argument("--draft-model", default=d.draft_model)
     p.add_argument("--prompt-lookup-min", type=arg.positive_int, default=d.prompt_lookup_min)
     p.add_argument("--prompt-lookup-max", type=arg.positive_int, default=d.prompt_lookup_max)
@@ -199,17 +218,14 @@ def check_config(cfg: BenchConfig) -> None:
         and drafters.config_module(m).RULES.model_kind == "export"
         and drafters.config_module(m).RULES.needs_model
     ]
-    if exports:
-        if not cfg.head:
+    for head in heads(cfg) if exports else []:
+        check_head_dir(head, role="--head", hint="train one (draftsmith train RECIPE) or leave it out")
+    for method in exports:
+        if head_for(cfg, method) is None:
             raise ModelSourceError(
-                f"method {exports[0]} needs its exported directory (--head DIR); train one "
-                f"(draftsmith train) or leave {exports[0]} out of --methods"
+                f"method {method} needs its exported directory (--head DIR; given: {heads(cfg) or 'none'}); "
+                f"train one (draftsmith train) or leave {method} out of --methods"
             )
-        check_head_dir(
-            cfg.head,
-            role=f"--head (method {exports[0]})",
-            hint=f"train one (draftsmith train RECIPE) or leave {exports[0]} out of --methods",
-        )
     plain_lm = [m for m in methods if m != BASELINE and drafters.config_module(m).RULES.model_kind == "model"]
     if cfg.draft_model and (cfg.hf_peer or plain_lm):
         check_model_source(cfg.draft_model, role="--draft-model")
