@@ -151,3 +151,38 @@ def test_the_decoder_keeps_its_limits():
     steps.append(current)
     assert max(steps) <= 8 + 2  # the budget, decode rows included (the first step may prefill alone)
     assert seqs[2].forwards > 6 + 1  # the 20-token prompt took several prefill chunks
+
+
+def test_grouped_query_attention_gives_the_same_values(monkeypatch):
+    """The masked forwards pass grouped K/V heads to torch's SDPA (``core.target._grouped_query_sdpa``): the
+    logits are bit-identical to transformers' default, which first repeats each K/V head."""
+    import contextlib
+
+    from draftsmith.core import target as target_module
+
+    model = tf.LlamaForCausalLM(
+        tf.LlamaConfig(
+            vocab_size=V,
+            hidden_size=48,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=128,
+        )
+    ).eval()
+    target = TargetModel(model)
+
+    def run():
+        cache = BatchKVCache(model.config)
+        for n in (5, 9):
+            row = BatchKVCache(model.config)
+            row.add_empty_row()
+            target.forward_batch([torch.arange(n)], row, last_only=True)
+            row.commit([n])
+            cache.merge(row)
+        return target.forward_batch([torch.arange(3), torch.arange(6)], cache).logits  # ragged: masked
+
+    grouped = run()
+    monkeypatch.setattr(target_module, "_grouped_query_sdpa", contextlib.nullcontext)
+    assert torch.equal(grouped, run())

@@ -54,12 +54,12 @@ class _SlotLayer(DynamicLayer):
         self.k_buf, self.v_buf = k, v
 
     def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace the contents by ``keys`` / ``values`` ``[B, kv_heads, S, D]``."""
+        """Replace the contents by ``keys`` / ``values`` ``[B, kv_heads, S, D]`` (room for S / 2 + 64 more)."""
         self.k_buf = self.v_buf = None
         self.filled = 0
         self.is_initialized = True
         self.device, self.dtype = keys.device, keys.dtype
-        self._reserve(keys.shape, values.shape, keys.dtype, keys.device, keys.shape[2])
+        self._reserve(keys.shape, values.shape, keys.dtype, keys.device, keys.shape[2] * 3 // 2 + 64)
         self.k_buf[:, :, : keys.shape[2]] = keys
         self.v_buf[:, :, : values.shape[2]] = values
         self.filled = keys.shape[2]
@@ -92,8 +92,14 @@ class _SlotLayer(DynamicLayer):
             self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (their filled slots are copied; the capacity is kept)."""
         if self.k_buf is not None:
-            self.k_buf, self.v_buf = self.k_buf[indices], self.v_buf[indices]
+            n = self.filled
+            for name in ("k_buf", "v_buf"):
+                old = getattr(self, name)
+                new = old.new_empty(len(indices), *old.shape[1:])
+                new[:, :, :n] = old[indices, :, :n]
+                setattr(self, name, new)
             self._views()
 
 

@@ -19,6 +19,8 @@ speculator as ``previous_hidden_states``. For Llama/Qwen it equals ``outputs.hid
 
 from __future__ import annotations
 
+import contextlib
+import os
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -254,15 +256,20 @@ class TargetModel:
             else None
         )
         try:
-            out = self.model(
-                input_ids=ids,
-                position_ids=positions,
-                **({"attention_mask": mask} if mask is not None else {}),
-                output_hidden_states=self.aux_layer_ids is not None,
-                cache=hf_cache,
-                use_cache=True,
-                **({"logits_to_keep": logits_to_keep} if not isinstance(logits_to_keep, int) or logits_to_keep else {}),
-            )
+            with _grouped_query_sdpa():
+                out = self.model(
+                    input_ids=ids,
+                    position_ids=positions,
+                    **({"attention_mask": mask} if mask is not None else {}),
+                    output_hidden_states=self.aux_layer_ids is not None,
+                    cache=hf_cache,
+                    use_cache=True,
+                    **(
+                        {"logits_to_keep": logits_to_keep}
+                        if not isinstance(logits_to_keep, int) or logits_to_keep
+                        else {}
+                    ),
+                )
         finally:
             if hook is not None:
                 hook.remove()
@@ -280,6 +287,30 @@ class TargetModel:
                 )
             final = lm_head_inputs[0]  # [B, T, H]
         return out.logits.float(), aux, final
+
+
+@contextlib.contextmanager
+def _grouped_query_sdpa():
+    """Within the block, transformers' SDPA attention passes grouped K/V heads to torch (``enable_gqa``) even
+    with an attention mask, instead of first copying each K/V head once per query head (``repeat_kv``).
+
+    transformers 5.24 (``integrations/sdpa_attention.py::use_gqa_in_sdpa``) uses ``enable_gqa`` on CPU/CUDA only
+    when the mask is None, i.e. for a one-token decode step; a verify step over 1 + k tokens and every batched
+    step carry a mask, so each layer copied its whole K/V cache n_heads / n_kv_heads times. The results are the
+    same values (torch computes the same products; ``tests/test_batch_runtime.py`` checks bit-equality), the
+    copy is gone: measured on the reference target (6 query / 2 K/V heads) a masked SDPA call over 32 rows x
+    300 keys took 4.0 ms with the copies and 1.0 ms without. transformers reads its switch,
+    ``TRANSFORMERS_SDPA_FORCE_GQA``, at every call; it is set for the forward and restored after."""
+    key = "TRANSFORMERS_SDPA_FORCE_GQA"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
 
 
 def _additive(mask, dtype):
