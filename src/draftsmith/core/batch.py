@@ -221,13 +221,13 @@ class BatchDecoder:
         ended = []
         gone = [b for b, s in enumerate(self.running) if s.done]
         if gone:
-            self.cache.remove_rows(gone)
             for b in gone:
                 seq = self.running[b]
                 if self.proposer is not None and seq.started:
                     self.proposer.stop(seq.key)
                 ended.append(seq)
-            self.running = [s for s in self.running if not s.done]
+            order = self.cache.remove_rows(gone)
+            self.running = [self.running[i] for i in order]
         for seq in [s for s in self.waiting if s.done]:
             self.waiting.remove(seq)
             ended.append(seq)
@@ -315,10 +315,9 @@ class BatchDecoder:
             joined.append(b)
         finished_rows = [b for b, s in enumerate(group) if s.done or s.prefilled < len(s.prompt)]
         if joined:
-            if finished_rows:
-                cache.remove_rows(finished_rows)
+            order = cache.remove_rows(finished_rows) if finished_rows else list(range(len(group)))
             self.cache.merge(cache)
-            self.running += [group[b] for b in joined]
+            self.running += [group[b] for b in order]
         return ended
 
     # -- decode ----------------------------------------------------------------------------------------

@@ -14,10 +14,11 @@ padded); a row's attention reads its valid slots only (``attention_mask``); RoPE
 (``commit``); slots invalid in every row at the end are cut (``trim``), so a batch of one never has a hole and
 runs with no mask at all, exactly as the single-sequence path. When holes exceed half of the slots, ``compact``
 moves each row's tokens to the left. Rows join (``merge``, from a newcomer prefilled in its own one-row cache:
-``add_empty_row``, then forwards) and leave (``remove_rows``) between steps; both copy the cache once.
+``add_empty_row``, then forwards) and leave (``remove_rows``: the last row fills the hole) between steps; both
+copy the rows that move only.
 
-Layers write in place into buffers with spare capacity (``_SlotLayer``), where transformers' ``DynamicLayer``
-concatenates the whole cache at every forward.
+Layers write in place into buffers with spare row and slot capacity (``_SlotLayer``), where transformers'
+``DynamicLayer`` concatenates the whole cache at every forward.
 
 Supported: full-attention layers, and sliding-window layers, whose window is applied in the mask (all keys are
 kept; ``attention_mask`` returns one mask per layer type). Linear-attention (recurrent) layers cannot be rolled
@@ -31,55 +32,87 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 
 class _SlotLayer(DynamicLayer):
-    """One layer's keys/values ``[B, kv_heads, capacity, D]``; ``update`` writes slots ``S..S+T-1`` in place."""
+    """One layer's keys/values in buffers ``[row capacity, kv_heads, slot capacity, D]``: the first ``rows`` rows and
+    ``filled`` slots are in use (``keys`` / ``values`` are views of them). ``update`` writes slots ``S..S+T-1`` in
+    place; rows join by ``append_rows`` (one copy of the new rows) and leave by ``swap_remove`` (the last row moves
+    into the hole: one row copied), so a batch's membership changes without copying the whole cache."""
 
     is_sliding = False  # the window (if any) lives in the mask; all slots are kept
 
     def __init__(self):
         super().__init__()
         self.filled = 0
+        self.rows = 0
         self.k_buf: torch.Tensor | None = None
         self.v_buf: torch.Tensor | None = None
 
-    def _reserve(self, shape_k, shape_v, dtype, device, need: int) -> None:
-        capacity = 0 if self.k_buf is None else self.k_buf.shape[2]
-        if need <= capacity:
+    def _reserve(self, like_k: torch.Tensor, like_v: torch.Tensor, rows: int, slots: int) -> None:
+        """Capacity for ``rows`` x ``slots`` (grown by doubling; the used part is copied)."""
+        have_rows = 0 if self.k_buf is None else self.k_buf.shape[0]
+        have_slots = 0 if self.k_buf is None else self.k_buf.shape[2]
+        if rows <= have_rows and slots <= have_slots:
             return
-        capacity = max(need, 2 * capacity, 64)
-        k = torch.empty(shape_k[0], shape_k[1], capacity, shape_k[3], dtype=dtype, device=device)
-        v = torch.empty(shape_v[0], shape_v[1], capacity, shape_v[3], dtype=dtype, device=device)
-        if self.filled:
-            k[:, :, : self.filled] = self.k_buf[:, :, : self.filled]
-            v[:, :, : self.filled] = self.v_buf[:, :, : self.filled]
-        self.k_buf, self.v_buf = k, v
+        new_rows = have_rows if rows <= have_rows else max(rows, 2 * have_rows)
+        new_slots = have_slots if slots <= have_slots else max(slots, 2 * have_slots, 64)
+        bufs = []
+        for old, like in ((self.k_buf, like_k), (self.v_buf, like_v)):
+            buf = like.new_empty(new_rows, like.shape[1], new_slots, like.shape[3])
+            if old is not None and self.rows and self.filled:
+                buf[: self.rows, :, : self.filled] = old[: self.rows, :, : self.filled]
+            bufs.append(buf)
+        self.k_buf, self.v_buf = bufs
 
     def set(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Replace the contents by ``keys`` / ``values`` ``[B, kv_heads, S, D]`` (room for S / 2 + 64 more)."""
+        """Replace the contents by ``keys`` / ``values`` ``[B, kv_heads, S, D]`` (room for S / 2 + 64 more slots)."""
         self.k_buf = self.v_buf = None
-        self.filled = 0
+        self.rows = self.filled = 0
         self.is_initialized = True
         self.device, self.dtype = keys.device, keys.dtype
-        self._reserve(keys.shape, values.shape, keys.dtype, keys.device, keys.shape[2] * 3 // 2 + 64)
-        self.k_buf[:, :, : keys.shape[2]] = keys
-        self.v_buf[:, :, : values.shape[2]] = values
-        self.filled = keys.shape[2]
+        self._reserve(keys, values, keys.shape[0], keys.shape[2] * 3 // 2 + 64)
+        self.k_buf[: keys.shape[0], :, : keys.shape[2]] = keys
+        self.v_buf[: values.shape[0], :, : values.shape[2]] = values
+        self.rows, self.filled = keys.shape[0], keys.shape[2]
         self._views()
 
     def _views(self) -> None:
-        self.keys = self.k_buf[:, :, : self.filled]
-        self.values = self.v_buf[:, :, : self.filled]
+        self.keys = self.k_buf[: self.rows, :, : self.filled]
+        self.values = self.v_buf[: self.rows, :, : self.filled]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
+        if not self.is_initialized or self.k_buf is None:
             self.is_initialized = True
             self.device, self.dtype = key_states.device, key_states.dtype
+            self.rows = key_states.shape[0]
+        if key_states.shape[0] != self.rows:
+            raise ValueError(f"a forward over {key_states.shape[0]} rows on a cache of {self.rows}")
         t = key_states.shape[2]
-        self._reserve(key_states.shape, value_states.shape, key_states.dtype, key_states.device, self.filled + t)
-        self.k_buf[:, :, self.filled : self.filled + t] = key_states
-        self.v_buf[:, :, self.filled : self.filled + t] = value_states
+        self._reserve(key_states, value_states, self.rows, self.filled + t)
+        self.k_buf[: self.rows, :, self.filled : self.filled + t] = key_states
+        self.v_buf[: self.rows, :, self.filled : self.filled + t] = value_states
         self.filled += t
         self._views()
         return self.keys, self.values
+
+    def append_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Add rows ``keys`` / ``values`` ``[n, kv_heads, S', D]`` (S' <= the filled slots; the rest are zeroed)."""
+        n, s = keys.shape[0], keys.shape[2]
+        if s > self.filled:
+            raise ValueError(f"rows of {s} slots cannot join a cache of {self.filled} (pad the cache first)")
+        self._reserve(keys, values, self.rows + n, self.filled)
+        for buf, new in ((self.k_buf, keys), (self.v_buf, values)):
+            buf[self.rows : self.rows + n, :, :s] = new
+            buf[self.rows : self.rows + n, :, s : self.filled] = 0  # holes hold finite values
+        self.rows += n
+        self._views()
+
+    def swap_remove(self, row: int) -> None:
+        """Drop ``row``: the last row takes its place."""
+        last = self.rows - 1
+        if row != last:
+            self.k_buf[row, :, : self.filled] = self.k_buf[last, :, : self.filled]
+            self.v_buf[row, :, : self.filled] = self.v_buf[last, :, : self.filled]
+        self.rows -= 1
+        self._views()
 
     def get_seq_length(self) -> int:
         return self.filled
@@ -92,15 +125,9 @@ class _SlotLayer(DynamicLayer):
             self._views()
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Keep the rows ``indices`` (their filled slots are copied; the capacity is kept)."""
+        """Keep the rows ``indices``, in that order (transformers' API; the runtime uses ``swap_remove``)."""
         if self.k_buf is not None:
-            n = self.filled
-            for name in ("k_buf", "v_buf"):
-                old = getattr(self, name)
-                new = old.new_empty(len(indices), *old.shape[1:])
-                new[:, :, :n] = old[indices, :, :n]
-                setattr(self, name, new)
-            self._views()
+            self.set(self.keys[indices], self.values[indices])
 
 
 def _layer_windows(config) -> list[int | None]:
@@ -199,31 +226,40 @@ class BatchKVCache:
             raise ValueError(f"cannot merge caches of {len(other.hf.layers)} and {len(self.hf.layers)} layers")
         s = max(self.slots, other.slots)
         self._pad_slots(s)
-        other._pad_slots(s)
         for dst, src in zip(self.hf.layers, other.hf.layers):
-            dst.set(torch.cat([dst.keys, src.keys], dim=0), torch.cat([dst.values, src.values], dim=0))
-        first = self.batch_size
-        self.valid = torch.cat([self.valid, other.valid])
-        self.slot_pos = torch.cat([self.slot_pos, other.slot_pos])
+            dst.append_rows(src.keys, src.values)
+        first, extra = self.batch_size, s - other.slots
+        self.valid = torch.cat([self.valid, torch.nn.functional.pad(other.valid, (0, extra))])
+        self.slot_pos = torch.cat([self.slot_pos, torch.nn.functional.pad(other.slot_pos, (0, extra))])
         self.lengths += other.lengths
         other._reset()
         return list(range(first, self.batch_size))
 
-    def remove_rows(self, rows: list[int]) -> None:
-        """Drop the rows ``rows`` (indices); the others keep their order."""
-        drop = set(rows)
-        keep = [b for b in range(self.batch_size) if b not in drop]
-        if len(keep) == self.batch_size:
-            return
-        if not keep:
+    def remove_rows(self, rows: list[int]) -> list[int]:
+        """Drop the rows ``rows`` (indices): each hole is filled by the batch's last row (one row copied, not the
+        cache). Returns the new row order as old indices: row i now holds what was row ``order[i]``.
+
+        Raises:
+            IndexError: a row index outside the batch."""
+        order = list(range(self.batch_size))
+        for row in sorted(set(rows), reverse=True):  # descending: the last row is always one that stays
+            if not 0 <= row < len(order):
+                raise IndexError(f"row {row} is not in a batch of {len(order)}")
+            last = len(order) - 1
+            for layer in self.hf.layers:
+                if layer.k_buf is not None:
+                    layer.swap_remove(row)
+            if row != last:
+                self.valid[row], self.slot_pos[row] = self.valid[last], self.slot_pos[last]
+                self.lengths[row], order[row] = self.lengths[last], order[last]
+            order.pop()
+            self.lengths.pop()
+        self.valid, self.slot_pos = self.valid[: len(order)], self.slot_pos[: len(order)]
+        if not order:
             self._reset()
-            return
-        index = torch.tensor(keep, dtype=torch.long)
-        for layer in self.hf.layers:
-            layer.batch_select_indices(index.to(layer.k_buf.device) if layer.k_buf is not None else index)
-        self.valid, self.slot_pos = self.valid[index], self.slot_pos[index]
-        self.lengths = [self.lengths[b] for b in keep]
-        self.trim()
+        else:
+            self.trim()
+        return order
 
     def _reset(self) -> None:
         self.hf = Cache(layer_class_to_replicate=_SlotLayer)

@@ -350,11 +350,10 @@ class BatchDraftModelProposer(BatchProposer):
 
     def _remove(self, rows: list[int]) -> None:
         """Drop cache rows ``rows`` (indices); their sequences hold no cache row afterwards."""
-        self.cache.remove_rows(rows)
-        drop = set(rows)
-        for i in drop:
+        for i in set(rows):
             self.rows[self.order[i]].cached = []
-        self.order = [key for i, key in enumerate(self.order) if i not in drop]
+        order = self.cache.remove_rows(rows)  # the cache's new row order, as old indices
+        self.order = [self.order[i] for i in order]
 
     def stop(self, key: int) -> None:
         """Row ``key`` left: its state and cache row are dropped (an unknown key: nothing to do)."""
