@@ -219,7 +219,11 @@ def check_config(cfg: BenchConfig) -> None:
         and drafters.config_module(m).RULES.needs_model
     ]
     for head in heads(cfg) if exports else []:
-        check_head_dir(head, role="--head", hint="train one (draftsmith train RECIPE) or leave it out")
+        check_head_dir(
+            head,
+            role=f"--head (method {', '.join(exports)})",
+            hint=f"train one (draftsmith train RECIPE) or leave {' / '.join(exports)} out of --methods",
+        )
     for method in exports:
         if head_for(cfg, method) is None:
             raise ModelSourceError(
