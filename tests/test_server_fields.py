@@ -122,7 +122,7 @@ def test_out_of_range_values_get_400_naming_the_field(setup, body, param):
     assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
 
 
-CHAT_ONLY = {"chat_template", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "documents"}
+CHAT_ONLY = {"chat_template", "chat_template_kwargs", "continue_final_message", "documents"}
 CHAT_ONLY |= {"tools", "tool_choice", "functions", "function_call", "reasoning_effort", "mm_processor_kwargs"}
 CHAT_ONLY |= {"media_io_kwargs", "top_logprobs"}
 REFUSED = {  # one value that would change the output, per refused field
@@ -154,7 +154,6 @@ REFUSED = {  # one value that would change the output, per refused field
     "guided_whitespace_pattern": " ",
     "chat_template": "{{ messages }}",
     "chat_template_kwargs": {"enable_thinking": False},
-    "add_generation_prompt": False,
     "continue_final_message": True,
     "documents": [{"text": "w5"}],
     "reasoning_effort": "low",
@@ -204,3 +203,17 @@ def test_refused_fields_get_400_naming_them(setup, name):
 def test_no_op_values_are_accepted(setup, body):
     r = post(setup[2], "/v1/chat/completions", **body)
     assert r.status_code == 200, r.text
+
+
+def test_add_generation_prompt_false_ends_the_prompt_after_the_last_message(setup):
+    engine, tok, client = setup
+    messages = [{"role": "user", "content": "w5 w6"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False)
+    ids = tok(text, add_special_tokens=False).input_ids
+    r = post(client, "/v1/chat/completions", messages=messages, add_generation_prompt=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    want = engine.generate(ids, GenerationConfig(max_new_tokens=16, eos_token_ids=engine.eos_token_ids))
+    assert r.json()["choices"][0]["message"]["content"] == want.text
+    with_prompt = post(client, "/v1/chat/completions", messages=messages).json()
+    assert with_prompt["usage"]["prompt_tokens"] == len(ids) + 2  # "<|im_start|> assistant"

@@ -5,17 +5,20 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true``: SSE
 ``data: {...}`` chunks, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-(Prometheus text). Request fields: model, prompt (a string, one-string list or token ids) /
-messages, max_tokens (chat: or max_completion_tokens), temperature, top_p, seed, stop (string or list), n (must be
-1), stream, stream_options.include_usage, presence_penalty, frequency_penalty, and vLLM's extensions (``vllm/
+(Prometheus text).
+
+Request fields: model, prompt (a string, one-string list or token ids) / messages, max_tokens (chat: or
+max_completion_tokens), temperature, top_p, seed, stop (string or list), n (must be 1), stream,
+stream_options.include_usage, presence_penalty, frequency_penalty, and vLLM's extensions (``vllm/
 sampling_params.py``): top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
 include_stop_str_in_output, skip_special_tokens (true only), spaces_between_special_tokens (no effect: special
-tokens are skipped), add_special_tokens. Every choice has vLLM's ``stop_reason``: the stop string or stop token id
-that ended it, null for EOS and length. Fields that would change the output but are not implemented
-(``UNSUPPORTED``: logprobs, echo, best_of, logit_bias, suffix, tools / tool_choice / functions, response_format,
-bad_words, allowed_token_ids, truncate_prompt_tokens, prompt_logprobs, guided_* / structured_outputs,
-chat_template / chat_template_kwargs, add_generation_prompt false, beam search, ...) are refused with a 400 naming
-the field when set to anything that changes the output; other unknown fields are ignored, as vLLM does.
+tokens are skipped), add_special_tokens, add_generation_prompt (chat). Every choice has vLLM's ``stop_reason``:
+the stop string or stop token id that ended it, null for EOS and length. Fields that would change the output
+but are not implemented (``UNSUPPORTED``: logprobs, echo, best_of, logit_bias, suffix, tools / tool_choice /
+functions, response_format, bad_words, allowed_token_ids, truncate_prompt_tokens, prompt_logprobs, guided_* /
+structured_outputs, chat_template / chat_template_kwargs, continue_final_message, beam search, ...) are refused
+with a 400 naming the field when set to anything that changes the output; other unknown fields are ignored, as
+vLLM does.
 Defaults follow OpenAI / vLLM: temperature 1.0, max_tokens = what is left of the context.
 
 A bad request gets a 4xx JSON body ``{"error": {"message", "type", "code", "param"}}``. Requests are decoded
@@ -78,7 +81,6 @@ UNSUPPORTED = {
     "guided_whitespace_pattern": (None,),
     "chat_template": (None,),
     "chat_template_kwargs": (None, {}),
-    "add_generation_prompt": (None, True),
     "continue_final_message": (None, False),
     "documents": (None, []),
     "reasoning_effort": (None,),
@@ -175,6 +177,7 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     add_special_tokens: bool = False  # vLLM's default for chat: the template adds them
+    add_generation_prompt: bool = True  # False: the template's text ends after the last message (vLLM's field)
 
 
 def _unsupported(name: str, value: Any) -> APIError:
@@ -273,7 +276,7 @@ def _chat_prompt(req: ChatCompletionRequest, engine: Engine) -> list[int]:
         content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
         messages.append({"role": m.role, "content": content or ""})
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
     except Exception as e:  # noqa: BLE001 - a template's raise_exception (e.g. roles must alternate)
         raise APIError(400, f"the chat template refused the messages: {e}", "invalid_messages", "messages") from None
     return list(tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids)
