@@ -156,6 +156,30 @@ def test_greedy_with_a_field_equals_plain_greedy_with_it(reference_served, name,
         assert plain.tokens == base and plain.finish_reason == "length"
 
 
+@pytest.mark.parametrize("name", list(drafters.names()) + ["self_draft"])
+def test_rows_with_different_fields_decode_together_as_alone(reference_served, name):
+    """One batch: a row per field (and a plain one), joining at different steps: each equals plain greedy alone."""
+    from draftsmith.core.batch import BatchDecoder, BatchSequence
+
+    model, tok, ids, base, spec = reference_served
+    cfgs = [GenerationConfig(max_new_tokens=16)]
+    cfgs += [GenerationConfig(max_new_tokens=16, **_field_settings(base)[f][0]) for f in FIELDS]
+    prompts = [ids[: len(ids) - i] for i in range(len(cfgs))]
+    plain = [generate_plain(TargetModel(model, tok), p, c).tokens for p, c in zip(prompts, cfgs)]
+    engine = Engine(model, tok, spec(name))
+    decoder = BatchDecoder(engine.target, engine.drafter.new_batch_proposer(), 3, max_num_seqs=4)
+    seqs = [BatchSequence(p, c) for p, c in zip(prompts, cfgs)]
+    for seq in seqs[:3]:
+        decoder.add(seq)
+    decoder.step()
+    for seq in seqs[3:]:
+        decoder.add(seq)
+    decoder.run()
+    engine.close()
+    for i, seq in enumerate(seqs):
+        assert seq.error is None and seq.result.tokens == plain[i], f"{name}: row {i} differs from plain greedy"
+
+
 # ------------------------------------------------------------------------------------------ lossless
 
 
@@ -193,6 +217,25 @@ def test_sampling_with_processors_is_lossless(stub_target, method, setting):
     lossless.check_lossless(seqs, plain, settings, law)
     if setting == "min_tokens":
         assert not torch.isin(seqs[:, :-1], torch.tensor([3, 5])).any()
+
+
+@pytest.mark.parametrize("name", drafters.names())
+def test_every_drafter_samples_losslessly_with_processors(tmp_path, name):
+    """Each registered drafter's batched proposer (its example export on the stub target) drafting with the
+    request's processors (repetition penalty, min_p and min_tokens together): the processed law holds."""
+    settings = dict(
+        temperature=1.0, repetition_penalty=1.4, min_p=0.05, min_tokens=lossless.NEW - 1, stop_token_ids=(3,)
+    )
+    model, tok = lossless.TrigramLM(lossless.TARGET_TABLE), lossless.word_tokenizer()
+    engine = Engine(model, tok, drafters.get(name).example(model, tok, tmp_path).with_k(lossless.K))
+    try:
+        plain, _ = lossless.run_trials_batched(engine.target, None, settings, 64)
+        seqs, stats = lossless.run_trials_batched(engine.target, engine.drafter.new_batch_proposer(), settings, 16)
+    finally:
+        engine.close()
+    lossless.check_counters(stats)
+    assert stats.num_drafts >= lossless.TRIALS and stats.num_accepted_tokens > 0
+    lossless.check_lossless(seqs, plain, settings, lossless.processed_law(settings))
 
 
 def test_the_processed_law_has_power(stub_target):
