@@ -96,7 +96,7 @@ class BatchSequence:
     def __post_init__(self):
         self.prompt = as_prompt(self.prompt_ids)
         self.out = Emitted(self.cfg, self.on_tokens)
-        self.processors = self.cfg.processors(self.prompt.tolist(), self.out.tokens)
+        self.processors = self.cfg.processors(self.prompt, self.out.tokens)
         if self.sampling is None:
             self.sampling = self.cfg.draft_sampling(draft_seed(self.cfg.seed))
         if self.processors is not None and self.sampling.processors is None:

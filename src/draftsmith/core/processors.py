@@ -86,7 +86,7 @@ class SequenceProcessors:
 
     def __init__(self, penalties: Penalties, prompt: Sequence[int], output: list[int]):
         self.penalties = penalties
-        self.prompt = [int(t) for t in prompt]
+        self.prompt = prompt.tolist() if isinstance(prompt, torch.Tensor) else [int(t) for t in prompt]
         self.output = output
         self._counts: dict[tuple[str, int], list] = {}  # (device, V) -> [prompt_mask [V], counts [V], n counted]
 
