@@ -143,6 +143,38 @@ def exact_law(settings: dict) -> torch.Tensor:
     return law
 
 
+def processed_law(settings: dict) -> torch.Tensor:
+    """P(t1..t_NEW | PROMPT) as a [V] * NEW tensor with vLLM's context-dependent processing, enumerating every
+    prefix (V^NEW = 32768 sequences), written from vLLM's formulas independently of ``core.processors``:
+
+      min_tokens   logits of ``stop_token_ids`` are -inf while fewer than min_tokens tokens were generated
+                   (``MinTokensLogitsProcessor``); a stop id drawn later ends the sequence, so the settings must
+                   keep every sequence NEW long (min_tokens >= NEW - 1);
+      repetition   a token in PROMPT or the prefix: logit / penalty if > 0, else * penalty (``apply_penalties``);
+      frequency, presence   logit -= f * count, p * [count > 0] over the prefix only;
+    then temperature / min_p / top-k / top-p (``logits_to_probs``)."""
+    s = dict(settings)
+    rep, freq, pres = s.pop("repetition_penalty", 1.0), s.pop("frequency_penalty", 0.0), s.pop("presence_penalty", 0.0)
+    min_tokens, stops = s.pop("min_tokens", 0), list(s.pop("stop_token_ids", ()))
+    assert not stops or min_tokens >= NEW - 1, "a stop id drawn early would end sequences before NEW tokens"
+    prefixes = torch.zeros(1, 0, dtype=torch.long)  # [N, j]
+    probs = torch.ones(1, dtype=torch.float64)  # [N]
+    for j in range(NEW):
+        context = torch.cat([torch.tensor(PROMPT).expand(prefixes.shape[0], -1), prefixes], dim=1)
+        logits = TARGET_TABLE[context[:, -2], context[:, -1]].clone()  # [N, V]
+        if j < min_tokens and stops:
+            logits[:, stops] = float("-inf")
+        counts = torch.stack([torch.bincount(row, minlength=V) for row in prefixes]) if j else torch.zeros(1, V)
+        in_prompt = torch.bincount(torch.tensor(PROMPT), minlength=V) > 0
+        seen = (counts > 0) | in_prompt
+        logits = torch.where(seen & (logits > 0), logits / rep, torch.where(seen, logits * rep, logits))
+        logits = logits - freq * counts - pres * (counts > 0).float()
+        p = logits_to_probs(logits, **s).double()  # [N, V]
+        probs = (probs[:, None] * p).reshape(-1)
+        prefixes = torch.cat([prefixes.repeat_interleave(V, 0), torch.arange(V).repeat(prefixes.shape[0])[:, None]], 1)
+    return probs.reshape((V,) * NEW).float()
+
+
 def word_tokenizer():
     """A whitespace word tokenizer of the stub's V tokens ``t0`` .. ``t7``, no special tokens (none ends a
     sequence: every trial decodes ``NEW`` tokens)."""
@@ -232,11 +264,10 @@ def run_trials_batched(
     every row (None: plain sampling). Rows join as earlier ones finish (continuous batching)."""
     from draftsmith.core.batch import generate_batch
     from draftsmith.core.generate import GenerationConfig
-    from draftsmith.core.proposer import Sampling
     from draftsmith.drafters.base import draft_seed
 
     cfgs = [GenerationConfig(max_new_tokens=NEW, seed=seed, **settings) for seed in range(trials)]
-    samplings = [Sampling(seed=draft_seed(seed), **settings) for seed in range(trials)]
+    samplings = [cfg.draft_sampling(draft_seed(seed)) for seed, cfg in enumerate(cfgs)]
     results = generate_batch(
         target,
         batch_proposer,
@@ -253,9 +284,10 @@ def run_trials_batched(
     return torch.tensor([r.tokens for r in results]), stats
 
 
-def check_lossless(seqs: torch.Tensor, plain: torch.Tensor, settings: dict) -> None:
-    """Every adjacent pair (t_i, t_i+1) of ``seqs`` matches the exact law and the ``plain`` sample (p > ALPHA)."""
-    law = exact_law(settings)
+def check_lossless(seqs: torch.Tensor, plain: torch.Tensor, settings: dict, law: torch.Tensor | None = None) -> None:
+    """Every adjacent pair (t_i, t_i+1) of ``seqs`` matches the exact law (default ``exact_law(settings)``) and the
+    ``plain`` sample (p > ALPHA)."""
+    law = exact_law(settings) if law is None else law
     trials = seqs.shape[0]
     for i in range(NEW - 1):
         expected = trials * pair_law(law, i)

@@ -626,18 +626,22 @@ def test_32_concurrent_clients_match_serial_and_metrics_add_up(target, tokenizer
 
 
 def test_stop_token_inside_a_chunk_trims_tokens_text_and_usage(ngram_client, target, tokenizer):
-    """A stop token id as the 3rd token of an accepted n-gram chunk: tokens, text and usage all end there."""
+    """A stop token id as the 3rd token of an accepted n-gram chunk: tokens and usage end there; the text leaves the
+    stop token out unless include_stop_str_in_output, and stop_reason names it (vLLM's rules)."""
     engine = Engine(target, tokenizer, NGRAM)
     ids = tokenizer(PROMPT).input_ids
     full = engine.generate(ids, GenerationConfig(max_new_tokens=16))
     stop_id = full.tokens[2]
     assert stop_id not in full.tokens[:2] and full.stats.num_accepted_tokens > 0
     cut = engine.generate(ids, GenerationConfig(max_new_tokens=16, stop_token_ids=(stop_id,)))
-    assert (cut.tokens, cut.finish_reason) == (full.tokens[:3], "stop")
-    assert cut.text == tokenizer.decode(full.tokens[:3], skip_special_tokens=True)
+    assert (cut.tokens, cut.finish_reason, cut.stop_reason) == (full.tokens[:3], "stop", stop_id)
+    assert cut.text == tokenizer.decode(full.tokens[:2], skip_special_tokens=True)
     body = complete(ngram_client, stop_token_ids=[stop_id])
-    assert body["choices"][0] == {"index": 0, "text": cut.text, "logprobs": None, "finish_reason": "stop"}
+    want = {"index": 0, "text": cut.text, "logprobs": None, "finish_reason": "stop", "stop_reason": stop_id}
+    assert body["choices"][0] == want
     assert body["usage"]["completion_tokens"] == 3
+    body = complete(ngram_client, stop_token_ids=[stop_id], include_stop_str_in_output=True)
+    assert body["choices"][0]["text"] == tokenizer.decode(full.tokens[:3], skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("max_tokens", [1, 2])

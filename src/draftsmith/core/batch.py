@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -58,8 +58,9 @@ class BatchSequence:
 
     Args:
         prompt_ids: ``[T]`` token ids. cfg: its decoding settings (temperature, seed, stops, max_new_tokens).
-        sampling: how its drafts are drawn (default: the request's temperature / top-k / top-p, seeded
-            ``draft_seed(cfg.seed)``, as the engine does).
+        sampling: how its drafts are drawn (default: ``cfg.draft_sampling(draft_seed(cfg.seed))``, as the engine
+            does); the request's processors (``cfg.processors``: min_tokens, penalties) are bound to it when it
+            has none, so every drafter's q follows them.
         on_tokens: called with each emitted chunk after the stop rules; an exception it raises ends THIS row
             (kept in ``error``), as in ``generate_speculative``.
         on_step: called with each verify step of this row (``sequence.VerifyStep``; draft_s / verify_s are the
@@ -67,9 +68,14 @@ class BatchSequence:
 
     Attributes:
         key: the row's id for the proposer. tokens: emitted so far. stats: its speculation counters.
-        finish_reason: 'stop' / 'length' once finished by a stop rule, else None. error: what a callback raised
-            (or ``cancel``'s reason). done: finished, failed or cancelled. result: ``GenerationResult`` once done
-            (without ``error``).
+        finish_reason: 'stop' / 'length' once finished by a stop rule, else None. stop_reason: the stop token id
+            that ended it when not an EOS id (``sequence.Emitted``). error: what a callback raised (or
+            ``cancel``'s reason). done: finished, failed or cancelled. result: ``GenerationResult`` once done
+            (without ``error``). processors: the request's ``core.processors.SequenceProcessors`` or None.
+        queued_s, scheduled_s, first_token_s, last_token_s, finished_s: ``time.perf_counter()`` when it was queued
+            (``BatchDecoder.add``, unless the caller set it earlier), when its first prefill chunk was read, when
+            its first and its latest tokens were emitted, when it ended (None until then); the engine's metrics
+            read them (vLLM's QUEUED / SCHEDULED / NEW_TOKENS events, ``vllm/v1/metrics/stats.py``).
     """
 
     prompt_ids: object
@@ -81,12 +87,20 @@ class BatchSequence:
     error: BaseException | None = None
     done: bool = False
     result: GenerationResult | None = None
+    queued_s: float | None = None
+    scheduled_s: float | None = None
+    first_token_s: float | None = None
+    last_token_s: float | None = None
+    finished_s: float | None = None
 
     def __post_init__(self):
         self.prompt = as_prompt(self.prompt_ids)
-        if self.sampling is None:
-            self.sampling = Sampling(self.cfg.temperature, self.cfg.top_k, self.cfg.top_p, draft_seed(self.cfg.seed))
         self.out = Emitted(self.cfg, self.on_tokens)
+        self.processors = self.cfg.processors(self.prompt, self.out.tokens)
+        if self.sampling is None:
+            self.sampling = self.cfg.draft_sampling(draft_seed(self.cfg.seed))
+        if self.processors is not None and self.sampling.processors is None:
+            self.sampling = replace(self.sampling, processors=self.processors)
         self.stats: SpecStats | None = None
         self.forwards = 0
         self.prefilled = 0  # prompt tokens the target has read
@@ -104,6 +118,10 @@ class BatchSequence:
     @property
     def finish_reason(self):
         return self.out.finish_reason
+
+    @property
+    def stop_reason(self) -> int | None:
+        return self.out.stop_reason
 
 
 class BatchDecoder:
@@ -158,6 +176,8 @@ class BatchDecoder:
         Raises:
             ValueError: prompt + max_new_tokens beyond the target's position limit."""
         check_length(self.target, seq.prompt, seq.cfg)
+        if seq.queued_s is None:
+            seq.queued_s = time.perf_counter()
         seq.stats = SpecStats(k=self.k) if self.proposer is not None else None
         if seq.out.finish_reason:  # max_new_tokens 0
             self._finish(seq)
@@ -211,6 +231,8 @@ class BatchDecoder:
 
     def _finish(self, seq: BatchSequence) -> None:
         seq.done = True
+        if seq.finished_s is None:
+            seq.finished_s = time.perf_counter()
         seq.cache = None
         seq.aux_chunks, seq.final_chunks = [], []
         if seq.error is None:
@@ -236,10 +258,15 @@ class BatchDecoder:
                 self._finish(seq)
             else:
                 seq.cache = None
+                if seq.finished_s is None:
+                    seq.finished_s = time.perf_counter()
         return ended
 
     def _emit(self, seq: BatchSequence, tokens: list[int]) -> bool:
         """Append through the stop rules; True when the row ended (a stop, or its callback raised)."""
+        seq.last_token_s = time.perf_counter()
+        if seq.first_token_s is None:
+            seq.first_token_s = seq.last_token_s
         try:
             finished = seq.out.extend(tokens)
         except Exception as e:  # noqa: BLE001 - the row's own callback: it ends this row only
@@ -281,6 +308,10 @@ class BatchDecoder:
             for _ in group:
                 cache.add_empty_row()
         inputs = [s.prompt[s.prefilled : s.prefilled + c] for s, c in zip(group, chunks)]
+        now = time.perf_counter()
+        for seq in group:
+            if seq.scheduled_s is None:
+                seq.scheduled_s = now
         step = self.target.forward_batch(inputs, cache, final_hidden=self.final_hidden, last_only=True)
         cache.commit(chunks)
         ended, joined = [], []
@@ -297,7 +328,7 @@ class BatchDecoder:
                 continue
             self.waiting.remove(seq)
             seq.generator = seeded_generator(self.target.device, seq.cfg.seed)
-            first = next_token(row.logits[-1], seq.cfg, seq.generator)
+            first = next_token(row.logits[-1], seq.cfg, seq.generator, seq.processors)
             if self._emit(seq, [first]):
                 ended.append(seq)
                 continue
@@ -342,6 +373,8 @@ class BatchDecoder:
         ns, emitted = [], []
         for b, (seq, p) in enumerate(zip(rows, proposals)):
             logits = step.logits[b, : p.tokens.numel() + 1]
+            if seq.processors is not None:  # row i read the context through d_i (core/processors.py)
+                logits = seq.processors.apply(logits, p.tokens.tolist())
             if seq.cfg.greedy:
                 out, n = verify_greedy(p.tokens, logits)
             else:

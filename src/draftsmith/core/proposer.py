@@ -24,16 +24,65 @@ from typing import Callable, Sequence
 
 import torch
 
+from draftsmith.core.processors import SequenceProcessors
+from draftsmith.core.sampling import logits_to_probs, sample
+
 
 @dataclass
 class Sampling:
-    """How a proposer draws its drafts: the request's settings (``core.sampling.logits_to_probs``); temperature 0
-    drafts the argmax with q None. ``seed`` seeds the drafter's own generator (``drafters.base.draft_seed``)."""
+    """How a proposer draws its drafts: the request's settings, so that q follows the target's p.
+
+    Temperature 0 drafts the argmax (q None). Otherwise q = ``core.sampling.logits_to_probs(logits, temperature,
+    top_k, top_p, min_p)`` of the draft logits after ``processors`` (min_tokens and penalties of the request, bound
+    to its live context: ``core.processors``), and the draft is drawn from q. ``seed`` seeds the drafter's own
+    generator (``drafters.base.draft_seed``). Every drafter draws through ``draw``.
+
+    Attributes:
+        temperature, top_k, top_p, min_p: as ``logits_to_probs`` (None / 0 disable top_k, top_p, min_p).
+        seed: the drafter's generator seed (None: nondeterministic).
+        processors: the request's ``SequenceProcessors`` (None: no context-dependent processing); set by the decode
+            loop (``core.batch.BatchSequence``) when the request asks for some.
+    """
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
+    min_p: float = 0.0
+    processors: SequenceProcessors | None = None
+
+    @property
+    def plain_greedy(self) -> bool:
+        """True when a draft is the argmax of the raw logits (temperature 0, no processors): batched drafters may
+        then take a whole batch's argmax at once."""
+        return self.temperature == 0 and self.processors is None
+
+    def draw(
+        self,
+        logits: torch.Tensor,
+        generator: torch.Generator | None,
+        drafted: Sequence[int] = (),
+        ids: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+    ) -> tuple[int, torch.Tensor | None]:
+        """One draft from next-token logits ``[C]`` that follow the chain's ``drafted`` tokens (target ids, the
+        drafts of this step so far).
+
+        Args:
+            logits: ``[C]`` draft logits. generator: the drafter's (on the logits' device). drafted: d_1..d_{i-1}
+                when drawing d_i. ids, vocab_size: the target id of each column and the target vocabulary size,
+                when the columns are a draft vocabulary (EAGLE-3 ``d2t``); see ``SequenceProcessors.apply``.
+
+        Returns:
+            ``(column, q)``: the drawn column (the argmax at temperature 0) and q ``[C]`` float32 (None at
+            temperature 0).
+        """
+        if self.processors is not None:
+            logits = self.processors.apply(logits, drafted, first=len(drafted), ids=ids, vocab_size=vocab_size)
+        if self.temperature == 0:
+            return int(logits.argmax()), None
+        q = logits_to_probs(logits.float(), self.temperature, self.top_k, self.top_p, self.min_p)
+        return int(sample(q, generator)), q
 
 
 @dataclass

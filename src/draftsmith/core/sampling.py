@@ -11,9 +11,13 @@ import torch
 
 
 def logits_to_probs(
-    logits: torch.Tensor, temperature: float = 1.0, top_k: int | None = None, top_p: float | None = None
+    logits: torch.Tensor,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
 ) -> torch.Tensor:
-    """Softmax of ``logits / temperature`` restricted to the top-k, then to the top-p nucleus.
+    """Softmax of ``logits / temperature`` restricted by min-p, then to the top-k, then to the top-p nucleus.
 
     Args:
         logits: ``[..., V]``; any float dtype (computed in float32).
@@ -23,12 +27,15 @@ def logits_to_probs(
         top_p: keep the smallest set of most likely tokens whose mass reaches ``top_p`` (the most
             likely token is always kept); ``None`` or 1.0 disables. Applied after top-k, the order
             of transformers' logits processors and vLLM's sampler.
+        min_p: drop tokens whose probability (after temperature) is below ``min_p`` times the most likely one's;
+            ``None`` or 0 disables. As vLLM's ``MinPLogitsProcessor`` (``vllm/v1/sample/logits_processor/
+            builtin.py``), applied after temperature and before top-k / top-p (``vllm/v1/sample/sampler.py``).
 
     Returns:
         probs ``[..., V]`` float32, summing to 1 over the last dimension.
 
     Raises:
-        ValueError: temperature <= 0, top_k < 0, or top_p outside (0, 1].
+        ValueError: temperature <= 0, top_k < 0, top_p outside (0, 1], or min_p outside [0, 1].
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 here, got {temperature}; use argmax for greedy decoding")
@@ -36,7 +43,13 @@ def logits_to_probs(
         raise ValueError(f"top_k must be >= 0 (0 or None disables it), got {top_k}")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
     logits = logits.float() / temperature
+    if min_p:
+        probs = torch.softmax(logits, dim=-1)
+        floor = probs.amax(dim=-1, keepdim=True) * min_p
+        logits = logits.masked_fill(probs < floor, float("-inf"))
     if top_k and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -11,23 +11,34 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from draftsmith.core.proposer import Proposal
+from draftsmith.core.processors import Penalties, SequenceProcessors
+from draftsmith.core.proposer import Proposal, Sampling
 from draftsmith.core.sampling import logits_to_probs, sample
 from draftsmith.core.target import TargetModel
 
 
 @dataclass
 class GenerationConfig:
-    """How to decode one sequence.
+    """How to decode one sequence (vLLM ``SamplingParams`` names and semantics, ``vllm/sampling_params.py``).
 
     Attributes:
         max_new_tokens: most tokens to emit (>= 0).
         temperature: 0 → greedy (argmax); > 0 → sampling from ``logits_to_probs``.
         top_k, top_p: truncation for sampling (None disables), as ``sampling.logits_to_probs``.
+        min_p: in [0, 1]; drops tokens below min_p x the likeliest one's probability when sampling (0 disables).
+        repetition_penalty, frequency_penalty, presence_penalty: as vLLM's (``core.processors.Penalties``);
+            they apply to greedy decoding too (vLLM penalises before the argmax).
+        min_tokens: no stop id (EOS included, even with ``ignore_eos``) can be generated before this many tokens:
+            their logits are -inf until then (``core.processors``); <= max_new_tokens.
+        ignore_eos: EOS ids do not end generation (stop_token_ids still do), as vLLM's ``ignore_eos``.
         seed: seeds the target's sampling generator; ``None`` → nondeterministic.
         eos_token_ids: ids that end generation (finish_reason 'stop'); the stop token IS included
-            in the output tokens, as transformers' ``generate`` does.
+            in the output tokens, as transformers' ``generate`` and vLLM's token ids do.
         stop_token_ids: further ids that end generation, same handling as EOS.
+
+    Raises:
+        ValueError: a negative max_new_tokens or temperature, min_p outside [0, 1], min_tokens outside
+            [0, max_new_tokens], or a penalty ``core.processors.Penalties`` refuses.
     """
 
     max_new_tokens: int = 128
@@ -37,12 +48,23 @@ class GenerationConfig:
     seed: int | None = 0
     eos_token_ids: Sequence[int] = ()
     stop_token_ids: Sequence[int] = ()
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
 
     def __post_init__(self):
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}")
+        self.penalties()  # refuses bad penalties now
 
     @property
     def greedy(self) -> bool:
@@ -50,12 +72,30 @@ class GenerationConfig:
         return self.temperature == 0
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
-        """Target probabilities p ``[..., V]`` from logits ``[..., V]`` (sampling mode only)."""
-        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+        """Target probabilities p ``[..., V]`` from (processed) logits ``[..., V]`` (sampling mode only)."""
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p, self.min_p)
 
     def stop_ids(self) -> frozenset[int]:
-        """EOS and stop token ids together."""
-        return frozenset(int(t) for t in (*self.eos_token_ids, *self.stop_token_ids))
+        """The ids that end generation: stop token ids, and EOS unless ``ignore_eos``."""
+        eos = () if self.ignore_eos else self.eos_token_ids
+        return frozenset(int(t) for t in (*eos, *self.stop_token_ids))
+
+    def penalties(self) -> Penalties:
+        """The context-dependent processing (``core.processors``); min_tokens masks EOS and stop ids alike."""
+        masked = tuple(sorted({int(t) for t in (*self.eos_token_ids, *self.stop_token_ids)}))
+        return Penalties(
+            self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.min_tokens, masked
+        )
+
+    def processors(self, prompt: Sequence[int], output: list[int]) -> SequenceProcessors | None:
+        """The processors bound to a sequence's prompt and live output list; None when nothing applies."""
+        penalties = self.penalties()
+        return SequenceProcessors(penalties, prompt, output) if penalties.active else None
+
+    def draft_sampling(self, seed: int | None) -> Sampling:
+        """How a drafter draws for this request (``core.proposer.Sampling``), its generator seeded ``seed``; the
+        decode loop binds the request's processors to it (``core.batch.BatchSequence``)."""
+        return Sampling(self.temperature, self.top_k, self.top_p, seed, self.min_p)
 
 
 @dataclass
@@ -160,30 +200,51 @@ def check_length(target: TargetModel, prompt: torch.Tensor, cfg: GenerationConfi
         )
 
 
-def next_token(logits: torch.Tensor, cfg: GenerationConfig, generator: torch.Generator) -> int:
-    """One token from next-token logits ``[V]``: argmax (greedy) or a draw from p."""
+def next_token(
+    logits: torch.Tensor,
+    cfg: GenerationConfig,
+    generator: torch.Generator,
+    processors: SequenceProcessors | None = None,
+) -> int:
+    """One token from next-token logits ``[V]`` (after ``processors``, read after the output so far): argmax
+    (greedy) or a draw from p."""
+    if processors is not None:
+        logits = processors.apply(logits)
     return int(logits.argmax()) if cfg.greedy else int(sample(cfg.probs(logits), generator))
 
 
 class Emitted:
     """A sequence's emitted tokens with the stop rules applied token by token (never overshoots).
 
-    ``on_tokens`` (optional) is called with each appended chunk, after the stop rules trimmed it."""
+    A stop id (``cfg.stop_ids()``) ends generation only from token ``min_tokens + 1`` on (before, the processors
+    mask stop ids, so none is drawn; vLLM ``vllm/v1/core/sched/utils.py``, ``check_stop``). ``stop_reason`` is the
+    stop token id that ended generation when it is not an EOS id (vLLM's ``stop_reason``: None for EOS and length).
+    ``on_tokens`` (optional) is called with each appended chunk, after the stop rules trimmed it.
+
+    Attributes:
+        tokens: the emitted tokens (one list for the sequence's life: its processors read it).
+        finish_reason: 'stop' / 'length' once finished. stop_reason: as above.
+    """
 
     def __init__(self, cfg: GenerationConfig, on_tokens: Callable[[list[int]], None] | None = None):
         self.on_tokens = on_tokens
         self.tokens: list[int] = []
         self.max_new_tokens = cfg.max_new_tokens
+        self.min_tokens = cfg.min_tokens
         self.stop_ids = cfg.stop_ids()
+        self.eos_ids = frozenset() if cfg.ignore_eos else frozenset(int(t) for t in cfg.eos_token_ids)
         self.finish_reason: Literal["stop", "length"] | None = None if cfg.max_new_tokens > 0 else "length"
+        self.stop_reason: int | None = None
 
     def extend(self, tokens: Sequence[int]) -> bool:
         """Append tokens until a stop id or max_new_tokens; return True when generation is finished."""
         start = len(self.tokens)
         for token in tokens:
-            self.tokens.append(int(token))
-            if int(token) in self.stop_ids:
+            token = int(token)
+            self.tokens.append(token)
+            if token in self.stop_ids and len(self.tokens) > self.min_tokens:
                 self.finish_reason = "stop"
+                self.stop_reason = None if token in self.eos_ids else token
             elif len(self.tokens) >= self.max_new_tokens:
                 self.finish_reason = "length"
             if self.finish_reason:

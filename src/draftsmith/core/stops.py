@@ -43,26 +43,52 @@ class TextStream:
     tail that may start a stop string, so nothing sent is ever changed or lies past a stop; ``finish()`` sends
     what is left (the open tail becomes final, and is searched for stop strings too).
 
+    vLLM's options (``vllm/v1/engine/detokenizer.py``): ``include_stop_str_in_output`` cuts the text AFTER the stop
+    string instead of before it (nothing is held back then: a stop string found ends after everything already
+    sent); ``min_tokens``: a stop string counts only once more than ``min_tokens`` tokens were read and only if it
+    ends after the text of the first ``min_tokens`` tokens. ``add_hidden`` reads a token whose text is not shown
+    (the stop token that ended generation, which vLLM leaves out of the text unless
+    ``include_stop_str_in_output``).
+
     Attributes:
-        tokens: the tokens read (cut after the stop point). text: the final text (cut before a stop string).
-        stopped: True once a stop string was found.
+        tokens: the tokens read (cut after the stop point). text: the final text (cut before a stop string, or
+            after it with ``include_stop``). stopped: True once a stop string was found. stop_reason: that
+            string (None before).
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = (), on_text: Callable[[str], None] | None = None):
+    def __init__(
+        self,
+        tokenizer,
+        stop: Sequence[str] = (),
+        on_text: Callable[[str], None] | None = None,
+        *,
+        include_stop: bool = False,
+        min_tokens: int = 0,
+    ):
         self.tokenizer, self.on_text = tokenizer, on_text
         self.stop = tuple(s for s in stop if s)
         self.longest_stop = max((len(s) for s in self.stop), default=0)
+        self.include_stop, self.min_tokens = include_stop, min_tokens
+        self.min_offset = 0  # a stop string must end past this many characters (the first min_tokens' text)
         self.tokens: list[int] = []
+        self.hidden = 0  # trailing tokens read but not decoded (add_hidden)
         self.text = ""
         self.stopped = False
+        self.stop_reason: str | None = None
         self.sent = 0
 
     def _decode(self) -> str:
-        return self.tokenizer.decode(self.tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        shown = self.tokens[: len(self.tokens) - self.hidden]
+        return self.tokenizer.decode(shown, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
-    def _find_stop(self, text: str, start: int) -> int | None:
-        hits = [i for i in (text.find(s, start) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+    def _find_stop(self, text: str, start: int) -> tuple[int, str] | None:
+        """The earliest stop string starting at or after ``start`` and ending past ``min_offset``: (index, it)."""
+        hits = []
+        for s in self.stop:
+            i = text.find(s, max(start, self.min_offset - len(s) + 1))
+            if i >= 0:
+                hits.append((i, s))
+        return min(hits, key=lambda hit: hit[0]) if hits else None
 
     def add(self, chunk: Sequence[int]) -> None:
         """Read ``chunk`` token by token; raises ``StopStringFound`` at the token that completes a stop string."""
@@ -73,20 +99,34 @@ class TextStream:
                 raise StopStringFound
         self._send(self._safe_end())
 
+    def add_hidden(self, token: int) -> None:
+        """Read ``token`` without showing its text (the stop token that ended generation); send what is held."""
+        self.tokens.append(int(token))
+        self.hidden += 1
+
     def _extend(self, decoded: str) -> bool:
-        """Append what ``decoded`` adds to the final text; cut it before a stop string that now appears (True)."""
+        """Append what ``decoded`` adds to the final text; cut it at a stop string that now appears (True)."""
+        searching = len(self.tokens) > self.min_tokens
         if len(decoded) <= len(self.text) or not decoded.startswith(self.text):
+            if len(self.tokens) == self.min_tokens:
+                self.min_offset = len(self.text)
             return False
         start = max(0, len(self.text) - self.longest_stop + 1)  # a new hit ends in the appended part
         self.text = decoded
-        hit = self._find_stop(self.text, start) if self.stop else None
+        if len(self.tokens) == self.min_tokens:
+            self.min_offset = len(self.text)
+        hit = self._find_stop(self.text, start) if self.stop and searching else None
         if hit is not None:
-            self.text, self.stopped = self.text[:hit], True
+            index, self.stop_reason = hit
+            end = index + len(self.stop_reason) if self.include_stop else index
+            self.text, self.stopped = self.text[:end], True
         return hit is not None
 
     def _safe_end(self) -> int:
         """How much of ``text`` can be sent now: all but a tail that may start a stop string."""
         end = len(self.text)
+        if self.include_stop:
+            return end
         for n in range(min(self.longest_stop - 1, end), 0, -1):
             tail = self.text[end - n :]
             if any(s.startswith(tail) for s in self.stop):

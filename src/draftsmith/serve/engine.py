@@ -45,7 +45,7 @@ from transformers import AutoConfig
 from draftsmith import drafters, reference
 from draftsmith.core.batch import BatchDecoder, BatchSequence
 from draftsmith.core.generate import GenerationConfig, GenerationResult, SpecStats, VerifyStep
-from draftsmith.core.proposer import Proposer, Sampling
+from draftsmith.core.proposer import Proposer
 from draftsmith.core.sampling import draft_seed
 from draftsmith.core.stops import StopStringFound, TextStream, stop_token_ids
 from draftsmith.core.target import TargetModel, resolve_max_model_len
@@ -78,15 +78,18 @@ class EngineResult(GenerationResult):
     """A ``GenerationResult`` (tokens cut at a stop string) plus what a server reports.
 
     Attributes:
-        text: the decoded completion (special tokens skipped), cut before the first stop string.
+        text: the decoded completion (special tokens skipped), cut before the first stop string (``Engine.
+            generate``: vLLM's text rules).
         prompt_tokens: prompt length. ttft_s: arrival to first token (None when no token was made).
         latency_s: arrival to the end of generation.
+        stop_reason: vLLM's: the stop string or the stop token id (not EOS) that ended generation, else None.
     """
 
     text: str = ""
     prompt_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float = 0.0
+    stop_reason: str | int | None = None
 
 
 class Engine:
@@ -140,7 +143,9 @@ class Engine:
         if self.drafter is not None:
             self.drafter.check_max_model_len(self.max_model_len)
         self.eos_token_ids = stop_token_ids(model, tokenizer)
-        self.metrics = EngineMetrics(self.k)
+        self.metrics = EngineMetrics(
+            self.k, model_name=model_name, max_model_len=self.max_model_len, speculative=self.spec is not None
+        )
         decoder = BatchDecoder(
             self.target,
             self.drafter.new_batch_proposer() if self.drafter is not None else None,
@@ -148,7 +153,9 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
         )
-        self.scheduler = Scheduler(decoder, self.metrics, max_waiting=max_waiting)
+        self.scheduler = Scheduler(
+            decoder, self.metrics, max_waiting=max_waiting, kv_capacity=max_num_seqs * self.max_model_len
+        )
 
     def close(self) -> None:
         """Stop the scheduler thread (requests still in it fail); the engine serves no more."""
@@ -231,7 +238,7 @@ class Engine:
         """A fresh proposer for one sequence, drafting with the request's settings (None: plain decoding)."""
         if self.drafter is None:
             return None
-        return self.drafter.new_proposer(Sampling(cfg.temperature, cfg.top_k, cfg.top_p, draft_seed(cfg.seed)))
+        return self.drafter.new_proposer(cfg.draft_sampling(draft_seed(cfg.seed)))
 
     def generate(
         self,
@@ -239,71 +246,122 @@ class Engine:
         cfg: GenerationConfig,
         *,
         stop: Sequence[str] = (),
+        include_stop_str_in_output: bool = False,
         on_text: Callable[[str], None] | None = None,
         cancel: threading.Event | None = None,
         arrival: float | None = None,
     ) -> EngineResult:
         """Generate one sequence in the engine's running batch (blocks until it ended), record its metrics.
 
+        Text follows vLLM (``vllm/v1/engine/detokenizer.py``): a stop string cuts the text before it (after it
+        with ``include_stop_str_in_output``); the stop token id that ended generation (EOS or a stop id) is in
+        ``tokens`` but not in ``text`` unless ``include_stop_str_in_output``; with ``cfg.min_tokens`` a stop
+        string counts only after the first min_tokens tokens.
+
         Args:
             prompt_ids: ``[T]`` token ids. cfg: decoding settings (EOS ids are the caller's to set;
                 ``self.eos_token_ids`` are the model's).
-            stop: stop strings, found on the decoded text. on_text: called with each new piece of text (on the
-                scheduler's thread).
+            stop: stop strings, found on the decoded text. include_stop_str_in_output: as above.
+            on_text: called with each new piece of text (on the scheduler's thread).
             cancel: when set, the request leaves the batch at the next step with ``RequestCancelled``.
             arrival: ``time.perf_counter()`` when the request arrived (TTFT and latency count from it;
                 default: now).
 
         Raises:
-            RequestError: the prompt fails ``check_prompt``. RequestCancelled: ``cancel`` was set.
+            RequestError: the prompt fails ``check_prompt``. RequestCancelled: ``cancel`` was set (counted as
+                finished_reason 'abort' in the ``vllm:`` metrics).
             EngineOverloaded: the waiting queue is full.
         """
         arrival = time.perf_counter() if arrival is None else arrival
         prompt = [int(t) for t in prompt_ids]
         self.check_prompt(prompt, cfg.max_new_tokens)
         stats = SpecStats(k=self.k) if self.drafter is not None else None
-        text = TextStream(self.tokenizer, stop, on_text)
-        first_token_at = None
+        text = TextStream(
+            self.tokenizer, stop, on_text, include_stop=include_stop_str_in_output, min_tokens=cfg.min_tokens
+        )
+        vllm = self.metrics.vllm
+        seq: BatchSequence | None = None
 
         def on_step(step: VerifyStep) -> None:  # counted before the step's tokens can stop generation
-            stats.record(step.proposed, step.accepted)
+            if stats is not None:
+                stats.record(step.proposed, step.accepted)
+            if vllm is not None:
+                vllm.record_step(step.proposed, step.accepted)
+
+        last_chunk_at: float | None = None  # when the previous chunk was emitted (the decoder's timestamps)
 
         def on_tokens(chunk: list[int]) -> None:
-            nonlocal first_token_at
-            if first_token_at is None:
-                first_token_at = time.perf_counter()
-            if cancel is not None and cancel.is_set():
-                raise RequestCancelled
-            text.add(chunk)
+            nonlocal last_chunk_at
+            now = seq.last_token_s
+            if vllm is not None and last_chunk_at is None:
+                vllm.record_first_token(len(prompt), now - arrival)
+            gap = None if last_chunk_at is None else now - last_chunk_at
+            last_chunk_at = now
+            before = len(text.tokens)
+            try:
+                if cancel is not None and cancel.is_set():
+                    raise RequestCancelled
+                if seq.out.finish_reason == "stop" and not include_stop_str_in_output:
+                    text.add(chunk[:-1])  # vLLM leaves the stop token's text out
+                    text.add_hidden(chunk[-1])
+                else:
+                    text.add(chunk)
+            finally:
+                if vllm is not None:
+                    vllm.record_tokens(len(text.tokens) - before, gap)
 
         seq = BatchSequence(
             prompt,
             cfg,
-            Sampling(cfg.temperature, cfg.top_k, cfg.top_p, draft_seed(cfg.seed)),
+            cfg.draft_sampling(draft_seed(cfg.seed)),
             on_tokens=on_tokens,
-            on_step=on_step if stats is not None else None,
+            on_step=on_step if stats is not None or vllm is not None else None,
         )
-        job = self.scheduler.submit(seq, cancel)
+        finished_reason = "error"
         try:
-            job.wait()
+            job = self.scheduler.submit(seq, cancel)
+            try:
+                job.wait()
+            finally:
+                if not seq.done and cancel is not None:
+                    cancel.set()
+                if stats is not None:
+                    self.metrics.record_spec(stats)
+            error = seq.error
+            if isinstance(error, StopStringFound):
+                finish_reason = "stop"
+            elif error is not None:
+                if isinstance(error, RequestCancelled):
+                    finished_reason = "abort"
+                raise error
+            else:
+                finish_reason = seq.result.finish_reason
+            forwards = seq.forwards
+            text.finish()
+            if text.stopped:  # found in the tail that only the end of generation made final
+                finish_reason = "stop"
+            finished_reason = finish_reason
+        except EngineOverloaded:
+            finished_reason = None  # never queued (vLLM counts admission rejections apart)
+            raise
         finally:
-            if not seq.done and cancel is not None:
-                cancel.set()
-            if stats is not None:
-                self.metrics.record_spec(stats)
-        error = seq.error
-        if isinstance(error, StopStringFound):
-            finish_reason = "stop"
-        elif error is not None:
-            raise error
-        else:
-            finish_reason = seq.result.finish_reason
-        forwards = seq.forwards
-        text.finish()
-        if text.stopped:  # found in the tail that only the end of generation made final
-            finish_reason = "stop"
-        latency = time.perf_counter() - arrival
-        ttft = first_token_at - arrival if first_token_at is not None else None
+            end = time.perf_counter()
+            if vllm is not None and finished_reason is not None:
+                vllm.record_finished(
+                    finished_reason,
+                    len(prompt) if seq.first_token_s is not None else seq.prefilled,
+                    len(text.tokens),
+                    cfg.max_new_tokens,
+                    end - arrival,
+                    seq.queued_s if seq.queued_s is not None else arrival,
+                    seq.scheduled_s,
+                    seq.first_token_s,
+                    seq.last_token_s,
+                    seq.finished_s if seq.finished_s is not None else end,
+                )
+        latency = end - arrival
+        ttft = seq.first_token_s - arrival if seq.first_token_s is not None else None
+        stop_reason = text.stop_reason if text.stopped else seq.stop_reason if finish_reason == "stop" else None
         self.metrics.record_request(len(prompt), len(text.tokens), finish_reason, ttft, latency)
         return EngineResult(
             tokens=text.tokens,
@@ -314,4 +372,5 @@ class Engine:
             prompt_tokens=len(prompt),
             ttft_s=ttft,
             latency_s=latency,
+            stop_reason=stop_reason,
         )

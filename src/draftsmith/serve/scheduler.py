@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
 from draftsmith.core.batch import BatchDecoder, BatchSequence
@@ -52,15 +53,24 @@ class Scheduler:
         decoder: the batch decoder (its target, proposer, k, max_num_seqs, max_num_batched_tokens).
         metrics: where the running / waiting gauges go (``EngineMetrics.set_queue``).
         max_waiting: most requests waiting (queued or being prefilled) before new ones are refused.
+        kv_capacity: tokens of KV cache the engine plans for (max_num_seqs x max_model_len); the gauge
+            ``vllm:kv_cache_usage_perc`` is the running rows' cached tokens over it (None: not set).
 
     Raises:
         ValueError: max_waiting < 1.
     """
 
-    def __init__(self, decoder: BatchDecoder, metrics: EngineMetrics | None = None, max_waiting: int = 1024):
+    def __init__(
+        self,
+        decoder: BatchDecoder,
+        metrics: EngineMetrics | None = None,
+        max_waiting: int = 1024,
+        kv_capacity: int | None = None,
+    ):
         if max_waiting < 1:
             raise ValueError(f"max_waiting must be >= 1, got {max_waiting}")
         self.decoder, self.metrics, self.max_waiting = decoder, metrics, max_waiting
+        self.kv_capacity = kv_capacity
         self._inbox: deque[Job] = deque()
         self._jobs: dict[int, Job] = {}  # key -> job, for every sequence in the decoder
         self._wake = threading.Condition()
@@ -77,6 +87,12 @@ class Scheduler:
         """Sequences in the running batch."""
         return len(self.decoder.running)
 
+    def kv_cache_usage(self) -> float | None:
+        """Tokens in the running rows' KV cache over ``kv_capacity`` (None without a capacity)."""
+        if not self.kv_capacity:
+            return None
+        return min(1.0, sum(self.decoder.cache.lengths) / self.kv_capacity)
+
     def submit(self, seq: BatchSequence, cancel: threading.Event | None = None) -> Job:
         """Queue ``seq`` for the next step.
 
@@ -85,6 +101,8 @@ class Scheduler:
             RuntimeError: the scheduler was closed.
         """
         job = Job(seq, cancel)
+        if seq.queued_s is None:
+            seq.queued_s = time.perf_counter()  # the inbox is part of the waiting queue
         with self._wake:
             if self._closed:
                 raise RuntimeError("the engine's scheduler is closed")
@@ -139,7 +157,7 @@ class Scheduler:
                 if job is not None:
                     job.ended.set()
             if self.metrics is not None:
-                self.metrics.set_queue(self.num_running, self.num_waiting)
+                self.metrics.set_queue(self.num_running, self.num_waiting, self.kv_cache_usage())
         for job in list(self._jobs.values()) + list(self._inbox):
             job.seq.error, job.seq.done = job.seq.error or RuntimeError("the engine was shut down"), True
             job.ended.set()

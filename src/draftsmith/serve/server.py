@@ -5,11 +5,20 @@
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both with ``"stream": true``: SSE
 ``data: {...}`` chunks, then ``data: [DONE]``), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-(Prometheus text). Request fields: model, prompt (a string, one-string list or token ids) /
-messages, max_tokens (chat: or max_completion_tokens), temperature, top_p, top_k (extension), seed,
-stop (string or list), stop_token_ids (extension), n (must be 1), stream, stream_options.include_usage.
-Parameters that would change the output but are not implemented (logprobs, echo, best_of, penalties,
-logit_bias, suffix, tools) are refused; other unknown fields are ignored, as vLLM does.
+(Prometheus text).
+
+Request fields: model, prompt (a string, one-string list or token ids) / messages, max_tokens (chat: or
+max_completion_tokens), temperature, top_p, seed, stop (string or list), n (must be 1), stream,
+stream_options.include_usage, presence_penalty, frequency_penalty, and vLLM's extensions (``vllm/
+sampling_params.py``): top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+include_stop_str_in_output, skip_special_tokens (true only), spaces_between_special_tokens (no effect: special
+tokens are skipped), add_special_tokens, add_generation_prompt (chat). Every choice has vLLM's ``stop_reason``:
+the stop string or stop token id that ended it, null for EOS and length. Fields that would change the output
+but are not implemented (``UNSUPPORTED``: logprobs, echo, best_of, logit_bias, suffix, tools / tool_choice /
+functions, response_format, bad_words, allowed_token_ids, truncate_prompt_tokens, prompt_logprobs, guided_* /
+structured_outputs, chat_template / chat_template_kwargs, continue_final_message, beam search, ...) are refused
+with a 400 naming the field when set to anything that changes the output; other unknown fields are ignored, as
+vLLM does.
 Defaults follow OpenAI / vLLM: temperature 1.0, max_tokens = what is left of the context.
 
 A bad request gets a 4xx JSON body ``{"error": {"message", "type", "code", "param"}}``. Requests are decoded
@@ -40,19 +49,59 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from draftsmith.core.generate import GenerationConfig
 from draftsmith.serve.engine import Engine, EngineOverloaded, EngineResult, RequestError
 
-# request fields that would change the output but are not implemented, with their no-op values
+# Request fields that would change the output (or the response) but are not implemented, with the values that
+# change nothing (compared with their type: logprobs=0 is not logprobs=False). Any other value is refused with a
+# 400 naming the field. vLLM's request fields: vllm/entrypoints/openai/{completion,chat_completion}/protocol.py.
 UNSUPPORTED = {
     "best_of": (None, 1),
     "echo": (None, False),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0),
+    "prompt_logprobs": (None,),
+    "logprob_token_ids": (None,),
     "logit_bias": (None, {}),
     "suffix": (None, ""),
     "tools": (None, []),
+    "tool_choice": (None, "none"),  # without tools (refused above) only "none" changes nothing
+    "functions": (None, []),
+    "function_call": (None, "none"),
     "response_format": (None, {"type": "text"}),
+    "bad_words": (None, []),
+    "allowed_token_ids": (None,),
+    "truncate_prompt_tokens": (None,),
+    "truncation_side": (None,),
+    "prompt_embeds": (None,),
+    "structured_outputs": (None,),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "guided_json_object": (None, False),
+    "guided_decoding_backend": (None,),
+    "guided_whitespace_pattern": (None,),
+    "chat_template": (None,),
+    "chat_template_kwargs": (None, {}),
+    "continue_final_message": (None, False),
+    "documents": (None, []),
+    "reasoning_effort": (None,),
+    "thinking_token_budget": (None,),
+    "mm_processor_kwargs": (None, {}),
+    "media_io_kwargs": (None, {}),
+    "use_beam_search": (None, False),
+    "logits_processors": (None, []),
+    "repetition_detection": (None,),
+    "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False),
+    "return_token_offsets": (None, False),
+    "priority": (None, 0),
+    "watermarking": (None, False),
+    "vllm_xargs": (None, {}),
 }
+
+
+def _is_noop(value: Any, noops: tuple) -> bool:
+    """True when ``value`` equals one of ``noops`` with the same type (``0`` is not ``False``)."""
+    return any(value is x or (type(value) is type(x) and value == x) for x in noops)
 
 
 class APIError(Exception):
@@ -76,10 +125,13 @@ def _error_response(
 class StreamOptions(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's extension: refused when true (not implemented)
 
 
 class _SamplingRequest(BaseModel):
-    """Fields shared by both endpoints; strict types (a string is not a number)."""
+    """Fields shared by both endpoints; strict types (a string is not a number). vLLM's sampling extensions
+    (``vllm/sampling_params.py``) with its ranges: min_p, repetition_penalty, presence / frequency_penalty,
+    min_tokens, ignore_eos, include_stop_str_in_output, skip_special_tokens (true only)."""
 
     model_config = ConfigDict(strict=True, extra="allow")
     model: str | None = None
@@ -87,9 +139,18 @@ class _SamplingRequest(BaseModel):
     temperature: float | None = Field(None, ge=0.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # vLLM: -1 or 0 disables
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    min_tokens: int = Field(0, ge=0)
+    ignore_eos: bool = False
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # only shapes special tokens' text, which is always skipped
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -97,6 +158,7 @@ class _SamplingRequest(BaseModel):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str]
+    add_special_tokens: bool = True  # vLLM's default for completions
 
 
 class TextPart(BaseModel):
@@ -114,10 +176,17 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    add_special_tokens: bool = False  # vLLM's default for chat: the template adds them
+    add_generation_prompt: bool = True  # False: the template's text ends after the last message (vLLM's field)
+
+
+def _unsupported(name: str, value: Any) -> APIError:
+    return APIError(400, f"{name}={value!r} is not supported by this server", "unsupported_parameter", name)
 
 
 def _check_common(req: _SamplingRequest, engine: Engine) -> None:
-    """Model name, n, and the unsupported parameters."""
+    """Model name, n, and the unsupported parameters (``UNSUPPORTED``, skip_special_tokens false, vLLM's
+    continuous usage stats): each refused with a 400 naming it."""
     if req.model is not None and req.model != engine.model_name:
         raise APIError(
             404,
@@ -128,34 +197,59 @@ def _check_common(req: _SamplingRequest, engine: Engine) -> None:
     if req.n != 1:
         raise APIError(400, f"n must be 1 (one sequence per request), got {req.n}", "unsupported_parameter", "n")
     for name, value in (req.model_extra or {}).items():
-        if name in UNSUPPORTED and value not in UNSUPPORTED[name]:
-            raise APIError(400, f"{name}={value!r} is not supported by this server", "unsupported_parameter", name)
+        if name in UNSUPPORTED and not _is_noop(value, UNSUPPORTED[name]):
+            raise _unsupported(name, value)
+    if not req.skip_special_tokens:
+        raise _unsupported("skip_special_tokens", False)
+    if req.stream_options is not None and req.stream_options.continuous_usage_stats:
+        raise _unsupported("stream_options.continuous_usage_stats", True)
 
 
 def _generation_config(
     req: _SamplingRequest, engine: Engine, prompt_ids: list[int], max_tokens: int | None
 ) -> GenerationConfig:
-    """Decoding settings; max_tokens defaults to what the context leaves (checked by the engine)."""
+    """Decoding settings; max_tokens defaults to what the context leaves (checked by the engine).
+
+    Raises:
+        APIError: 400 for a prompt the engine refuses, or settings ``GenerationConfig`` refuses (min_tokens above
+            max_tokens, a non-finite penalty), naming the field.
+    """
     if max_tokens is None:
         max_tokens = max(1, engine.max_model_len - len(prompt_ids))
     try:
         engine.check_prompt(prompt_ids, max_tokens)
     except RequestError as e:
         raise APIError(400, str(e), e.code, e.param) from None
+    if req.min_tokens > max_tokens:
+        raise APIError(
+            400, f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_tokens})", "invalid_request", "min_tokens"
+        )
     top_k = req.top_k if req.top_k and req.top_k > 0 else None
-    return GenerationConfig(
-        max_new_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_k=top_k,
-        top_p=req.top_p,
-        seed=req.seed,
-        eos_token_ids=engine.eos_token_ids,
-        stop_token_ids=tuple(req.stop_token_ids or ()),
-    )
+    try:
+        return GenerationConfig(
+            max_new_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_k=top_k,
+            top_p=req.top_p,
+            min_p=req.min_p or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            min_tokens=req.min_tokens,
+            ignore_eos=req.ignore_eos,
+            seed=req.seed,
+            eos_token_ids=engine.eos_token_ids,
+            stop_token_ids=tuple(req.stop_token_ids or ()),
+        )
+    except ValueError as e:
+        param = next((f for f in ("repetition_penalty", "min_p", "min_tokens") if f in str(e)), None)
+        raise APIError(400, str(e), "invalid_request", param) from None
 
 
-def _stops(req: _SamplingRequest) -> tuple[str, ...]:
-    return (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+def _stops(req: _SamplingRequest) -> dict:
+    """The engine's text rules (``Engine.generate`` keywords): stop strings and include_stop_str_in_output."""
+    stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
+    return {"stop": stop, "include_stop_str_in_output": req.include_stop_str_in_output}
 
 
 def _completion_prompt(req: CompletionRequest, engine: Engine) -> list[int]:
@@ -167,7 +261,7 @@ def _completion_prompt(req: CompletionRequest, engine: Engine) -> list[int]:
             )
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return list(engine.tokenizer(prompt).input_ids)
+        return list(engine.tokenizer(prompt, add_special_tokens=req.add_special_tokens).input_ids)
     return list(prompt)
 
 
@@ -182,10 +276,10 @@ def _chat_prompt(req: ChatCompletionRequest, engine: Engine) -> list[int]:
         content = m.content if not isinstance(m.content, list) else "".join(p.text for p in m.content)
         messages.append({"role": m.role, "content": content or ""})
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt, tokenize=False)
     except Exception as e:  # noqa: BLE001 - a template's raise_exception (e.g. roles must alternate)
         raise APIError(400, f"the chat template refused the messages: {e}", "invalid_messages", "messages") from None
-    return list(tokenizer(text, add_special_tokens=False).input_ids)
+    return list(tokenizer(text, add_special_tokens=req.add_special_tokens).input_ids)
 
 
 def _usage(result: EngineResult) -> dict:
@@ -248,10 +342,10 @@ def create_app(engine: Engine) -> FastAPI:
             500, f"internal error: {type(e).__name__}: {e}", "internal_error", type="internal_server_error"
         )
 
-    async def run(prompt_ids, cfg, stop, on_text=None, cancel=None) -> EngineResult:
+    async def run(prompt_ids, cfg, stop: dict, on_text=None, cancel=None) -> EngineResult:
         cancel = cancel or threading.Event()
         call = partial(
-            engine.generate, prompt_ids, cfg, stop=stop, on_text=on_text, cancel=cancel, arrival=time.perf_counter()
+            engine.generate, prompt_ids, cfg, **stop, on_text=on_text, cancel=cancel, arrival=time.perf_counter()
         )
         try:
             return await asyncio.get_running_loop().run_in_executor(worker, call)
@@ -261,7 +355,8 @@ def create_app(engine: Engine) -> FastAPI:
             cancel.set()  # a request whose client went away (the await was cancelled) leaves the batch
 
     def stream(prompt_ids, cfg, stop, chunk, first: list | None, include_usage: bool):
-        """SSE body: ``chunk(delta_text, finish_reason)`` payloads, an optional usage chunk, [DONE]."""
+        """SSE body: ``chunk(delta_text, finish_reason, stop_reason=...)`` payloads, an optional usage chunk,
+        [DONE]."""
 
         async def events():
             loop = asyncio.get_running_loop()
@@ -295,7 +390,7 @@ def create_app(engine: Engine) -> FastAPI:
                         }
                     )
                 else:
-                    yield _sse(chunk(None, result.finish_reason))
+                    yield _sse(chunk(None, result.finish_reason, stop_reason=result.stop_reason))
                     if include_usage:
                         yield _sse(chunk(None, None, usage=_usage(result)))
                 yield "data: [DONE]\n\n"
@@ -314,18 +409,25 @@ def create_app(engine: Engine) -> FastAPI:
         base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
         if req.stream:
 
-            def chunk(text, finish_reason, usage=None):
+            def chunk(text, finish_reason, usage=None, stop_reason=None):
                 if usage is not None:
                     return base | {"choices": [], "usage": usage}
-                return base | {
-                    "choices": [{"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}]
-                }
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+                return base | {"choices": [choice | {"stop_reason": stop_reason}]}
 
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return stream(prompt_ids, cfg, _stops(req), chunk, None, include_usage)
         result = await run(prompt_ids, cfg, _stops(req))
         return base | {
-            "choices": [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}],
+            "choices": [
+                {
+                    "index": 0,
+                    "text": result.text,
+                    "logprobs": None,
+                    "finish_reason": result.finish_reason,
+                    "stop_reason": result.stop_reason,
+                }
+            ],
             "usage": _usage(result),
         }
 
@@ -339,13 +441,12 @@ def create_app(engine: Engine) -> FastAPI:
         if req.stream:
             base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": engine.model_name}
 
-            def chunk(text, finish_reason, usage=None):
+            def chunk(text, finish_reason, usage=None, stop_reason=None):
                 if usage is not None:
                     return base | {"choices": [], "usage": usage}
                 delta = {} if text is None else {"content": text}
-                return base | {
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]
-                }
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                return base | {"choices": [choice | {"stop_reason": stop_reason}]}
 
             first = [
                 base
@@ -356,6 +457,7 @@ def create_app(engine: Engine) -> FastAPI:
                             "delta": {"role": "assistant", "content": ""},
                             "logprobs": None,
                             "finish_reason": None,
+                            "stop_reason": None,
                         }
                     ]
                 }
@@ -374,6 +476,7 @@ def create_app(engine: Engine) -> FastAPI:
                     "message": {"role": "assistant", "content": result.text},
                     "logprobs": None,
                     "finish_reason": result.finish_reason,
+                    "stop_reason": result.stop_reason,
                 }
             ],
             "usage": _usage(result),

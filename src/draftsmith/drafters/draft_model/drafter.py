@@ -49,14 +49,7 @@ class LoadedDraftModel(LoadedDrafter):
 
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh ``DraftModelProposer`` (its own KV cache) drafting with the request's settings."""
-        return DraftModelProposer(
-            self.model,
-            self.target_vocab_size,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-        )
+        return DraftModelProposer(self.model, self.target_vocab_size, sampling=sampling)
 
     def new_batch_proposer(self) -> BatchDraftModelProposer:
         """One draft forward per draft position for the whole batch, one KV cache for all rows

@@ -7,9 +7,10 @@ The draft keeps its OWN KV cache (``core/cache.py``). Its bookkeeping, for one s
 get the next-token logits), then drafts d1..dk one forward at a time, so afterwards
 cached = context + d1..d_{k-1}. ``accept`` appends the emitted tokens to the context and crops the
 cache to the longest common prefix of cached and context (at most len(context) − 1).
-Greedy drafts (temperature 0) are argmax and return q = None (one-hot: the draft is deterministic);
-with temperature > 0 drafts are sampled from q = logits_to_probs(draft logits) and q is returned,
-as rejection sampling requires. Use the target's temperature / top-k / top-p for the best acceptance.
+Drafts are drawn by ``core.proposer.Sampling.draw``: greedy drafts (temperature 0) are the argmax and return
+q = None (one-hot: the draft is deterministic); with temperature > 0 drafts are sampled from q = logits_to_probs(
+processed draft logits) and q is returned, as rejection sampling requires. The request's processors (min_tokens,
+penalties: ``core.processors``) apply to the draft logits with the drafts made so far, as to the target's p.
 
 ``DraftModelProposer`` drafts for one sequence; ``BatchDraftModelProposer`` drafts for every row of a batch with
 the same bookkeeping per row and ONE ``BatchKVCache`` (``core/batch_cache.py``): each draft forward reads all rows.
@@ -25,7 +26,7 @@ import torch
 
 from draftsmith.core.batch_cache import BatchKVCache
 from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
-from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
+from draftsmith.core.sampling import seeded_generator
 from draftsmith.core.target import TargetModel, has_learned_positions, position_limit
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,8 @@ class DraftModelProposer(Proposer):
         temperature: 0 → greedy (argmax) drafts with q None; > 0 → drafts sampled from q.
         top_k, top_p: as ``sampling.logits_to_probs``; only used when temperature > 0.
         seed: seeds the draft's sampling generator (``None``: nondeterministic).
+        sampling: a ``core.proposer.Sampling`` instead of temperature / top_k / top_p / seed (min_p and the
+            request's processors included).
         target_tokenizer, draft_tokenizer: when both are given, ``check_same_tokenizer`` runs.
 
     Raises:
@@ -88,6 +91,7 @@ class DraftModelProposer(Proposer):
         seed: int | None = 0,
         target_tokenizer=None,
         draft_tokenizer=None,
+        sampling: Sampling | None = None,
     ):
         # The draft LM is run through the same one-sequence wrapper (positions + KVCache) as the target.
         self.lm = TargetModel(draft_model)
@@ -99,10 +103,10 @@ class DraftModelProposer(Proposer):
             )
         if target_tokenizer is not None and draft_tokenizer is not None:
             check_same_tokenizer(target_tokenizer, draft_tokenizer)
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = seeded_generator(self.lm.device, seed)
+        self.sampling = sampling if sampling is not None else Sampling(temperature, top_k, top_p, seed)
+        if self.sampling.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.sampling.temperature}")
+        self.generator = seeded_generator(self.lm.device, self.sampling.seed)
         self.cache = self.lm.new_cache()
         self._context: list[int] = []
         self._cached: list[int] = []
@@ -131,11 +135,8 @@ class DraftModelProposer(Proposer):
         logits = self._next_logits(self._context[len(self._cached) :])
         tokens, qs = [], []
         for i in range(k):
-            if self.temperature == 0:
-                token = int(logits.argmax())
-            else:
-                q = logits_to_probs(logits, self.temperature, self.top_k, self.top_p)  # [V]
-                token = int(sample(q, self.generator))
+            token, q = self.sampling.draw(logits, self.generator, tokens)  # q [V] or None (greedy)
+            if q is not None:
                 qs.append(q)
             tokens.append(token)
             if i < k - 1:
@@ -180,14 +181,13 @@ class _Row:
     sampling: Sampling
     generator: torch.Generator
 
-    def draw(self, logits: torch.Tensor, argmax: int | None) -> tuple[int, torch.Tensor | None]:
-        """One draft from next-token logits ``[V]`` as ``DraftModelProposer.propose`` draws it: ``argmax`` (the
-        row's argmax, computed for the batch) with q None at temperature 0, else a draw from q ``[V]``."""
-        s = self.sampling
-        if s.temperature == 0:
+    def draw(self, logits: torch.Tensor, argmax: int | None, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
+        """One draft from next-token logits ``[V]`` after this step's ``drafted`` tokens, as ``DraftModelProposer.
+        propose`` draws it (``Sampling.draw``); ``argmax`` (the row's argmax, computed for the batch) is taken
+        as is when the row drafts plain greedy."""
+        if self.sampling.plain_greedy:
             return argmax, None
-        q = logits_to_probs(logits, s.temperature, s.top_k, s.top_p)  # [V]
-        return int(sample(q, self.generator)), q
+        return self.sampling.draw(logits, self.generator, drafted)
 
 
 class BatchDraftModelProposer(BatchProposer):
@@ -303,10 +303,10 @@ class BatchDraftModelProposer(BatchProposer):
                     inputs.append(self._reread(i, row))
             for d in range(depth):
                 logits = self._forward(inputs)  # [B, V]
-                greedy = logits.argmax(dim=-1).tolist() if any(r.sampling.temperature == 0 for r in rows) else None
+                greedy = logits.argmax(dim=-1).tolist() if any(r.sampling.plain_greedy for r in rows) else None
                 for i, row in enumerate(rows):
                     if d < want[i]:
-                        token, q = row.draw(logits[i], greedy[i] if greedy is not None else None)
+                        token, q = row.draw(logits[i], greedy[i] if greedy is not None else None, tokens[i])
                         tokens[i].append(token)
                         if q is not None:
                             qs[i].append(q)

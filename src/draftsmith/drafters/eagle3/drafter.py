@@ -40,9 +40,7 @@ class LoadedEagle3(LoadedDrafter):
 
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh ``Eagle3Proposer`` drafting with the request's settings."""
-        return Eagle3Proposer(
-            self.head, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed
-        )
+        return Eagle3Proposer(self.head, sampling=sampling)
 
     def new_batch_proposer(self) -> BatchEagle3Proposer:
         """One head step per chain step for the whole batch (``BatchEagle3Proposer``)."""

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
-from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
+from draftsmith.core.sampling import seeded_generator
 from draftsmith.drafters.eagle3.head import Eagle3Head, HeadKV, RaggedHeadKV
 
 logger = logging.getLogger(__name__)
@@ -58,18 +58,24 @@ def warn_beyond_trained_depth(k: int, ttt_steps: int | None, head: str, knob: st
 
 
 def draw_draft(
-    logits: torch.Tensor, sampling: Sampling, generator: torch.Generator, draft_ids: torch.Tensor, vocab_size: int
+    logits: torch.Tensor,
+    sampling: Sampling,
+    generator: torch.Generator,
+    draft_ids: torch.Tensor,
+    vocab_size: int,
+    drafted: list[int] = (),
 ) -> tuple[int, torch.Tensor | None]:
-    """One draft from draft-vocab logits [Vd]: (target id, q [V] float32 over the target vocab, or None).
+    """One draft from draft-vocab logits [Vd] after this step's ``drafted`` tokens (target ids): (target id, q [V]
+    float32 over the target vocab, or None).
 
-    Temperature 0: the argmax, q None. Else a token sampled with ``generator`` from q_draft = logits_to_probs(
-    logits, temperature, top_k, top_p) [Vd], scattered into the target vocabulary through ``draft_ids`` [Vd]
-    (the target ids of the draft vocabulary, ``head.draft_to_target``), zero elsewhere. ``sampling.seed`` is
-    not read (the generator was seeded already)."""
-    if sampling.temperature == 0:
-        return int(draft_ids[int(logits.argmax())]), None
-    q_draft = logits_to_probs(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p)  # [Vd]
-    d = int(sample(q_draft, generator))
+    ``Sampling.draw`` over the draft vocabulary, whose columns are the target ids ``draft_ids`` [Vd]
+    (``head.draft_to_target``): the request's processors read the target ids. Temperature 0: the argmax, q None.
+    Else a token sampled with ``generator`` from q_draft = logits_to_probs(processed logits, temperature, top_k,
+    top_p, min_p) [Vd], scattered into the target vocabulary through ``draft_ids``, zero elsewhere.
+    ``sampling.seed`` is not read (the generator was seeded already)."""
+    d, q_draft = sampling.draw(logits, generator, drafted, ids=draft_ids, vocab_size=vocab_size)
+    if q_draft is None:
+        return int(draft_ids[d]), None
     q = torch.zeros(vocab_size, dtype=q_draft.dtype, device=q_draft.device)
     q[draft_ids] = q_draft
     return int(draft_ids[d]), q
@@ -82,6 +88,8 @@ class Eagle3Proposer(Proposer):
         head: an ``Eagle3Head`` with the target's embedding bound (``head.bind_embedding``).
         temperature: 0 -> argmax drafts (q None); > 0 -> drafts sampled from q = logits_to_probs(...).
         top_k, top_p: applied to the draft distribution when sampling. seed: the sampling generator's seed.
+        sampling: a ``core.proposer.Sampling`` instead of temperature / top_k / top_p / seed (min_p and the
+            request's processors included).
     """
 
     needs_aux_hidden = True
@@ -94,12 +102,13 @@ class Eagle3Proposer(Proposer):
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        sampling: Sampling | None = None,
     ):
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.sampling = sampling if sampling is not None else Sampling(temperature, top_k, top_p, seed)
+        if self.sampling.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.sampling.temperature}")
         self.head = head.eval()
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
-        self.generator = seeded_generator(head.fc.weight.device, seed)
+        self.generator = seeded_generator(head.fc.weight.device, self.sampling.seed)
         vd = head.config.draft_vocab_size
         self.draft_ids = head.draft_to_target(torch.arange(vd, device=head.fc.weight.device))  # [Vd] target ids
         self.kv = HeadKV()
@@ -120,15 +129,10 @@ class Eagle3Proposer(Proposer):
         next_tokens = torch.cat([prompt_ids[1:].cpu(), torch.tensor([first_token])])  # x_{j+1} for j < T
         self._extend_prefix(target_step.aux_hidden, next_tokens)
 
-    def _draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One draft from draft-vocab logits [Vd]: (target id, q over the target vocab [V] or None)."""
-        return draw_draft(
-            logits,
-            Sampling(self.temperature, self.top_k, self.top_p),
-            self.generator,
-            self.draft_ids,
-            self.head.config.vocab_size,
-        )
+    def _draw(self, logits: torch.Tensor, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
+        """One draft from draft-vocab logits [Vd] after ``drafted``: (target id, q over the target vocab [V] or
+        None)."""
+        return draw_draft(logits, self.sampling, self.generator, self.draft_ids, self.head.config.vocab_size, drafted)
 
     @torch.inference_mode()
     def propose(self, k: int) -> Proposal:
@@ -138,14 +142,14 @@ class Eagle3Proposer(Proposer):
         tokens, qs = [], []
         hidden, logits = self.last_hidden, self.last_logits
         for i in range(k):
-            token, q = self._draw(logits)
+            token, q = self._draw(logits, tokens)
             tokens.append(token)
             qs.append(q)
             if i + 1 < k:
                 ids = torch.tensor([[token]], device=hidden.device)
                 hidden, step_logits = self.head.step(hidden, ids, self.kv, "chain")
                 logits = step_logits[0, -1]
-        q = None if self.temperature == 0 else torch.stack(qs).cpu()
+        q = None if self.sampling.temperature == 0 else torch.stack(qs).cpu()
         return Proposal(torch.tensor(tokens, dtype=torch.long), q)
 
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:
@@ -272,17 +276,20 @@ class BatchEagle3Proposer(BatchProposer):
         next_tokens = torch.cat([prompt_ids[1:].cpu(), torch.tensor([first_token])])  # x_{j+1} for j < T
         self._extend([key], target_step.aux_hidden[None], next_tokens[None].long(), [next_tokens.numel()])
 
-    def _draw(self, logits: torch.Tensor, rows: list[_Row], qs: list[list[torch.Tensor]]) -> torch.Tensor:
-        """One draft per row from logits [B', Vd]: target ids [B'] on the head's device; sampling rows append
-        their q [V] to ``qs[j]``."""
-        ids = self.draft_ids[logits.argmax(-1)]  # greedy rows (all at once)
+    def _draw(
+        self, logits: torch.Tensor, rows: list[_Row], qs: list[list[torch.Tensor]], drafted: list[list[int]]
+    ) -> torch.Tensor:
+        """One draft per row from logits [B', Vd] after each row's ``drafted`` tokens: target ids [B'] on the head's
+        device; sampling rows append their q [V] to ``qs[j]``."""
+        ids = self.draft_ids[logits.argmax(-1)]  # plain greedy rows (all at once)
         for j, row in enumerate(rows):
-            if row.sampling.temperature > 0:
+            if not row.sampling.plain_greedy:
                 token, q = draw_draft(
-                    logits[j], row.sampling, row.generator, self.draft_ids, self.head.config.vocab_size
+                    logits[j], row.sampling, row.generator, self.draft_ids, self.head.config.vocab_size, drafted[j]
                 )
                 ids[j] = token
-                qs[j].append(q)
+                if q is not None:
+                    qs[j].append(q)
         return ids
 
     @torch.inference_mode()
@@ -301,8 +308,15 @@ class BatchEagle3Proposer(BatchProposer):
             logits = torch.stack([r.logits for r in rows])  # [B', Vd]
             positions = torch.tensor([r.length for r in rows], device=self.device)  # chain step i at L_b + i
             active, drawn = drafting, []
+            made: list[list[int]] = [[] for _ in keys]  # each row's drafts so far (its processors read them)
+            track = any(self.rows[keys[b]].sampling.processors is not None for b in drafting)
             for i in range(max(ks[b] for b in drafting)):
-                ids = self._draw(logits, [self.rows[keys[b]] for b in active], [qs[b] for b in active])  # [B']
+                ids = self._draw(
+                    logits, [self.rows[keys[b]] for b in active], [qs[b] for b in active], [made[b] for b in active]
+                )  # [B']
+                if track:  # a host copy per chain step only where some row's processors read its drafts
+                    for b, token in zip(active, ids.tolist()):
+                        made[b].append(token)
                 drawn.append((active, ids))
                 keep = [j for j, b in enumerate(active) if ks[b] > i + 1]
                 if not keep:

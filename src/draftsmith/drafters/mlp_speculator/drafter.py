@@ -37,9 +37,7 @@ class LoadedMLPSpeculator(LoadedDrafter):
 
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh ``MLPSpeculatorProposer`` drafting with the request's settings."""
-        return MLPSpeculatorProposer(
-            self.head, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed
-        )
+        return MLPSpeculatorProposer(self.head, sampling=sampling)
 
     def new_batch_proposer(self) -> BatchMLPSpeculatorProposer:
         """Stages run once per step for the whole batch (``BatchMLPSpeculatorProposer``)."""

@@ -14,18 +14,19 @@ n = 0) and the target's token t' follows it: the next chain starts from (final_h
 (``generate_proposals``: ``previous_hidden_states`` of the last accepted position, the sampled token).
 
 k larger than n_predict is refused (ValueError), as vLLM's ``generate_proposals`` refuses it: the head
-has no stage to draft token n_predict + 1 with. Greedy drafts (temperature 0) are argmax with q None;
-with temperature > 0 each draft is sampled from q = logits_to_probs(stage logits) and q is returned,
-as rejection sampling requires. ``MLPSpeculatorProposer`` drafts for one sequence; ``BatchMLPSpeculatorProposer``
-runs each stage once for the whole batch.
+has no stage to draft token n_predict + 1 with. Drafts are drawn by ``core.proposer.Sampling.draw``: greedy
+drafts (temperature 0) are argmax with q None; with temperature > 0 each draft is sampled from q =
+logits_to_probs(processed stage logits) and q is returned, as rejection sampling requires (the request's
+processors, ``core.processors``, read the drafts of the chain so far). ``MLPSpeculatorProposer`` drafts for
+one sequence; ``BatchMLPSpeculatorProposer`` runs each stage once for the whole batch.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftsmith.core.proposer import BatchProposer, Proposal, Proposer
-from draftsmith.core.sampling import logits_to_probs, sample, seeded_generator
+from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
+from draftsmith.core.sampling import seeded_generator
 from draftsmith.drafters.mlp_speculator.head import MLPSpeculator
 
 
@@ -36,6 +37,8 @@ class MLPSpeculatorProposer(Proposer):
         head: the speculator (eval mode is set), on the device where its drafts are computed.
         temperature: 0 -> argmax drafts (q None); > 0 -> drafts sampled from q = logits_to_probs(...).
         top_k, top_p: applied to the draft distribution when sampling. seed: the sampling generator's seed.
+        sampling: a ``core.proposer.Sampling`` instead of temperature / top_k / top_p / seed (min_p and the
+            request's processors included).
 
     Raises:
         ValueError: a negative temperature; ``propose(k)`` with k > ``head.config.n_predict``.
@@ -51,13 +54,14 @@ class MLPSpeculatorProposer(Proposer):
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        sampling: Sampling | None = None,
     ):
-        if temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        self.sampling = sampling if sampling is not None else Sampling(temperature, top_k, top_p, seed)
+        if self.sampling.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.sampling.temperature}")
         self.head = head.eval()
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.device = head.proj[0].weight.device
-        self.generator = seeded_generator(self.device, seed)
+        self.generator = seeded_generator(self.device, self.sampling.seed)
         self.state: torch.Tensor | None = None  # [1, H] stage-0 state (final hidden of the last verified row)
         self.last_token: int | None = None  # the target's token after that row
 
@@ -74,12 +78,10 @@ class MLPSpeculatorProposer(Proposer):
         """Chain root: the prefill's last row (it read the last prompt token) and the first token."""
         self._root(target_step.final_hidden, -1, first_token)
 
-    def _draw(self, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """One draft from stage logits [V]: (token id, q [V] or None when greedy)."""
-        if self.temperature == 0:
-            return int(logits.argmax()), None
-        q = logits_to_probs(logits.float(), self.temperature, self.top_k, self.top_p)  # [V]
-        return int(sample(q, self.generator)), q
+    def _draw(self, logits: torch.Tensor, drafted: list[int]) -> tuple[int, torch.Tensor | None]:
+        """One draft from stage logits [V] after this chain's ``drafted`` tokens: (token id, q [V] or None when
+        greedy), by ``Sampling.draw``."""
+        return self.sampling.draw(logits, self.generator, drafted)
 
     @torch.inference_mode()
     def propose(self, k: int) -> Proposal:
@@ -98,10 +100,10 @@ class MLPSpeculatorProposer(Proposer):
         tokens, qs = [], []
         for i in range(k):
             state, logits = self.head.step(i, state, torch.tensor([token], device=self.device))  # [1, D], [1, V]
-            token, q = self._draw(logits[0])
+            token, q = self._draw(logits[0], tokens)
             tokens.append(token)
             qs.append(q)
-        q = None if self.temperature == 0 else torch.stack(qs).cpu()
+        q = None if self.sampling.temperature == 0 else torch.stack(qs).cpu()
         return Proposal(torch.tensor(tokens, dtype=torch.long), q)
 
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:
@@ -128,9 +130,7 @@ class BatchMLPSpeculatorProposer(BatchProposer):
         self.rows: dict[int, MLPSpeculatorProposer] = {}  # per-row state, sampling and generator
 
     def start(self, key, prompt_ids, first_token, target_step, sampling) -> None:
-        row = MLPSpeculatorProposer(
-            self.head, temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p, seed=sampling.seed
-        )
+        row = MLPSpeculatorProposer(self.head, sampling=sampling)
         row.start(prompt_ids, first_token, target_step)
         self.rows[key] = row
 
@@ -154,14 +154,14 @@ class BatchMLPSpeculatorProposer(BatchProposer):
                 drawn = []
                 for j, b in enumerate(drafting):
                     if i < ks[b]:
-                        token, q = rows[b]._draw(logits[j])
+                        token, q = rows[b]._draw(logits[j], tokens[b])
                         tokens[b].append(token)
                         qs[b].append(q)
                     drawn.append(tokens[b][-1])  # rows already done keep feeding their last draft (unused)
                 last = torch.tensor(drawn, device=self.device)
         out = []
         for b in range(len(keys)):
-            q = None if rows[b].temperature == 0 or not qs[b] else torch.stack(qs[b]).cpu()
+            q = None if rows[b].sampling.temperature == 0 or not qs[b] else torch.stack(qs[b]).cpu()
             out.append(Proposal(torch.tensor(tokens[b], dtype=torch.long), q))
         return out
 
