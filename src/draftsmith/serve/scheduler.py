@@ -33,6 +33,11 @@ class RequestCancelled(Exception):
     """The request's ``cancel`` event was set (e.g. the client went away)."""
 
 
+class EngineClosed(RuntimeError):
+    """The scheduler was closed (the server is shutting down): the request was refused, or ended unfinished
+    (HTTP 503)."""
+
+
 class Job:
     """A submitted sequence: ``wait()`` blocks until it ended (``seq.result`` or ``seq.error``)."""
 
@@ -82,12 +87,12 @@ class Scheduler:
 
         Raises:
             EngineOverloaded: ``max_waiting`` requests are already waiting.
-            RuntimeError: the scheduler was closed.
+            EngineClosed (a RuntimeError): the scheduler was closed.
         """
         job = Job(seq, cancel)
         with self._wake:
             if self._closed:
-                raise RuntimeError("the engine's scheduler is closed")
+                raise EngineClosed("the engine is shut down (the server is stopping); the request was not run")
             if self.num_waiting >= self.max_waiting:
                 raise EngineOverloaded(
                     f"the server is at capacity: {self.num_running} requests running and {self.num_waiting} "
@@ -100,8 +105,14 @@ class Scheduler:
             self._wake.notify()
         return job
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` was called: no request is taken any more."""
+        return self._closed
+
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the thread after its current step; sequences still queued or running end with ``RuntimeError``."""
+        """Stop the thread after its current step (waiting at most ``timeout`` seconds for it); sequences still
+        queued or running end with ``EngineClosed``. Idempotent."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -134,6 +145,10 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a fault of the batch: every request in it fails, loudly
                 logger.exception("a batch step failed; failing its %d requests", len(self._jobs))
                 ended = decoder.abort(e)
+                for job in self._jobs.values():  # also a sequence the step had taken out of the queues
+                    if not job.seq.done:
+                        job.seq.error, job.seq.done = e, True
+                ended = [job.seq for job in self._jobs.values()]
             for seq in ended:
                 job = self._jobs.pop(seq.key, None)
                 if job is not None:
@@ -141,5 +156,6 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.set_queue(self.num_running, self.num_waiting)
         for job in list(self._jobs.values()) + list(self._inbox):
-            job.seq.error, job.seq.done = job.seq.error or RuntimeError("the engine was shut down"), True
+            shut = EngineClosed("the engine was shut down (the server is stopping) before the request finished")
+            job.seq.error, job.seq.done = job.seq.error or shut, True
             job.ended.set()
