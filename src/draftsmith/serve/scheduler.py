@@ -10,7 +10,9 @@ rows that are running plus as much prefill of newcomers as the token budget leav
 ``max_num_seqs`` wait; beyond ``max_waiting`` waiting requests a new one is refused at once
 (``EngineOverloaded``; the server answers 429, as TGI does past ``--max-concurrent-requests``) rather than
 queued for minutes. A cancelled request (its ``cancel`` event set: the client went away) leaves at the next
-step, waiting or running. Callbacks of a sequence (tokens, text, stops) run on the scheduler thread.
+step, waiting or running. Callbacks of a sequence (tokens, text, stops) run on the scheduler thread. A step that
+raises fails every request the scheduler holds (each ends with that error; none is left waiting). ``close()``
+(the server shutting down) ends what is queued or running with ``EngineClosed`` (HTTP 503).
 """
 
 from __future__ import annotations

@@ -539,7 +539,7 @@ def create_app(
             )
 
     async def drain() -> None:
-        if not scheduler.closed:
+        if not scheduler.closed and (scheduler.num_running or scheduler.num_waiting):
             logger.warning(
                 "shutting down: answering %d running and %d waiting requests with 503",
                 scheduler.num_running,
