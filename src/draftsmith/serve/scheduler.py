@@ -94,7 +94,7 @@ class Scheduler:
         job = Job(seq, cancel)
         with self._wake:
             if self._closed:
-                raise EngineClosed("the engine is shut down (the server is stopping); the request was not run")
+                raise EngineClosed("the engine is closed; the request was not run")
             if self.num_waiting >= self.max_waiting:
                 raise EngineOverloaded(
                     f"the server is at capacity: {self.num_running} requests running and {self.num_waiting} "
@@ -158,6 +158,6 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.set_queue(self.num_running, self.num_waiting)
         for job in list(self._jobs.values()) + list(self._inbox):
-            shut = EngineClosed("the engine was shut down (the server is stopping) before the request finished")
+            shut = EngineClosed("the engine was closed before the request finished")
             job.seq.error, job.seq.done = job.seq.error or shut, True
             job.ended.set()

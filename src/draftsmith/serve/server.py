@@ -428,7 +428,7 @@ class _RequestGate:
             chunks.append(message.get("body", b""))
             size += len(chunks[-1])
             if size > self.max_bytes:
-                return await self._too_large(f"over {size}")(scope, receive, send)
+                return await self._too_large(f"at least {size}")(scope, receive, send)
             if not message.get("more_body", False):
                 break
         whole = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
@@ -515,7 +515,7 @@ def create_app(
     # tokenizers' Rust encode_batch (what tokenizer(text) calls) releases the GIL: a long prompt tokenizes while
     # the event loop answers /health; a few threads so one 4 MB prompt does not hold up every other request
     tokenize_pool = ThreadPoolExecutor(
-        max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="draftsmith-tokenize"
+        max_workers=max(2, min(4, os.cpu_count() or 1)), thread_name_prefix="draftsmith-tokenize"
     )
 
     async def off_loop(fn, *args, **kwargs):
