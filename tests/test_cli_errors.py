@@ -256,6 +256,8 @@ def test_head_arguments(tmp_path, model_dir, capsys):
     [
         (["serve", "--dtype", "float99"], "argument --dtype: 'float99' is not a dtype draftsmith loads; pass one of"),
         (["serve", "--port", "99999"], "argument --port: 99999 is not a TCP port; pass a number in 1-65535"),
+        (["serve", "--api-key", ""], "argument --api-key: is empty; pass a value, or leave the flag out"),
+        (["serve", "--max-request-bytes", "0"], "argument --max-request-bytes: 0 is below 1"),
         (["generate", "--prompt", "x", "--speculative-config", "{bad"], "is not JSON"),
         (["generate", "--prompt", "x", "--speculative-config", "[1]"], "JSON but not an object"),
         (["eval", "--drafter", "x=3"], "the part after '=' must be a JSON object"),
@@ -283,6 +285,8 @@ def test_port_in_use_and_bad_host(capsys, monkeypatch):
         line = fails(capsys, ["serve", "--port", str(port)])
     assert f"cannot listen on 127.0.0.1:{port}" in line and "pass another --port" in line
     assert "does not resolve" in fails(capsys, ["serve", "--host", "no-such-host.invalid"])
+    line = fails(capsys, ["serve", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'])
+    assert "num_speculative_tokens" in line and ">= 1" in line  # checked before the target loads
 
 
 def test_bench_checks(tmp_path, capsys):
@@ -367,6 +371,10 @@ NO_TORCH_CASES = [
     ["train", "{dir}"],
     ["serve", "--port", "99999"],
     ["serve", "--dtype", "float99"],
+    ["serve", "--api-key", ""],
+    ["serve", "--max-request-bytes", "0"],
+    ["serve", "--speculative-config", '{{"method": "ngram", "num_draft_tokens": 3}}'],
+    ["serve", "--speculative-config", '{{"method": "eagle3", "model": "{dir}/none", "num_speculative_tokens": 3}}'],
     ["generate", "--target", "/nonexistent", "--prompt", "x"],
     ["generate", "--prompt", "x", "--speculative-config", "{{oops"],
     ["generate", "--prompt", "x", "--speculative-config", '{{"method": "eagle3", "model": "{dir}"}}'],

@@ -119,6 +119,24 @@ def drafter(text: str) -> tuple[str, dict]:
     return label.strip(), spec
 
 
+def non_empty(text: str) -> str:
+    """An argparse type: a string that is not empty (``--api-key``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("is empty; pass a value, or leave the flag out")
+    return text
+
+
+class HelpWithDefaults(argparse.HelpFormatter):
+    """Help that ends every flag's text with its default, ``(default: 8000)``, unless the text already says what the
+    default is (a None or empty default means something only words can tell: ``default: the target's limit``)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if "default" in text or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
 def url(text: str) -> str:
     """An argparse type: an http(s) URL of a running server."""
     if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:

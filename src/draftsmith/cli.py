@@ -10,7 +10,7 @@
     draftsmith push HEAD --repo-id ORG/NAME [--private] [--revision BRANCH] [--dry-run]
     draftsmith eval --head HEAD [--target T] [--methods ...] [--drafter LABEL=JSON ...] [--k 5] [--tasks ...]
     draftsmith generate --target T [--speculative-config JSON] --prompt TEXT
-    draftsmith serve --target T [--speculative-config JSON] [--host 127.0.0.1] [--port 8000]
+    draftsmith serve --target T [--speculative-config JSON] [--host 127.0.0.1] [--port 8000] [--api-key KEY]
     draftsmith bench --target T [--methods none eagle3 ngram draft_model] [--k 5] [--head HEAD] [--hf-peer]
                      [--concurrency 1 4 16 32]
 
@@ -30,8 +30,10 @@ the serving port.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +45,7 @@ from draftsmith.evaluation.bench_config import build_parser as bench_parser
 from draftsmith.evaluation.bench_config import check_config, config_from_args
 from draftsmith.pipeline.recipe import Recipe
 from draftsmith.reference import TASK_NAMES
+from draftsmith.serve import API_KEY_ENV, DEFAULT_MAX_REQUEST_BYTES
 from draftsmith.sources import ModelSourceError, check_head_dir, check_model_source, is_head_dir
 
 PACKAGE_DIR = Path(__file__).resolve().parent
@@ -56,6 +59,7 @@ RESUME = {
     "capture": "rerun the same command: finished shards are verified and kept, the capture resumes",
     "train": _TRAIN_RESUMES,
     "demo": _TRAIN_RESUMES,
+    "serve": "the server stopped (requests still queued or running were answered 503)",
 }
 
 
@@ -233,7 +237,7 @@ def cmd_serve(args) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting_requests,
     )
-    serve(engine, host=args.host, port=args.port)
+    serve(engine, host=args.host, port=args.port, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     return 0
 
 
@@ -253,9 +257,10 @@ def _add_recipe(p) -> None:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. train.lr=1e-4")
 
 
-def _verb(sub, name: str, help_: str) -> argparse.ArgumentParser:
-    """A verb's sub-parser; ``-v`` works after the verb too (SUPPRESS keeps the top-level value otherwise)."""
-    p = sub.add_parser(name, help=help_)
+def _verb(sub, name: str, help_: str, **kwargs) -> argparse.ArgumentParser:
+    """A verb's sub-parser; ``-v`` works after the verb too (SUPPRESS keeps the top-level value otherwise).
+    ``kwargs`` go to ``add_parser`` (a formatter_class, a description)."""
+    p = sub.add_parser(name, help=help_, **kwargs)
     p.add_argument(
         "-v",
         "--verbose",
@@ -372,40 +377,104 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-model-len", type=arg.positive_int, default=None, help="longest prompt + completion (memory plan)"
     )
     p.set_defaults(fn=cmd_generate)
-    p = _verb(sub, "serve", "OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)")
-    p.add_argument("--target", default="reference")
+    p = _verb(
+        sub,
+        "serve",
+        "OpenAI-compatible server (/v1/completions, /v1/chat/completions, /metrics)",
+        formatter_class=arg.HelpWithDefaults,
+        description="Serve --target with or without speculation: an OpenAI-compatible HTTP API (/v1/completions, "
+        "/v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /version, /metrics) around a "
+        "continuous-batching engine. SIGTERM or Ctrl+C shuts it down: requests still queued or running are "
+        "answered 503, then the process exits.",
+    )
+    p.add_argument(
+        "--target",
+        metavar="MODEL",
+        default="reference",
+        help="the model served: a Hub id, a local folder, or reference (bundled)",
+    )
     p.add_argument(
         "--speculative-config",
+        metavar="JSON",
         default=None,
         type=arg.json_object,
-        help='JSON with vLLM\'s keys: {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 5}',
+        help='JSON with vLLM\'s keys, e.g. {"method": "eagle3", "model": HEAD, "num_speculative_tokens": 5} '
+        "(default: none, plain decoding)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=arg.port, default=8000)
-    p.add_argument("--dtype", type=arg.dtype, default="float32", help=", ".join(arg.DTYPE_NAMES))
-    p.add_argument("--revision", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--allow-mismatch", nargs="*", default=[], metavar="FIELD")
+    p.add_argument(
+        "--host",
+        metavar="HOST",
+        default="127.0.0.1",
+        help="address to listen on; 0.0.0.0 listens on every interface (then pass --api-key: a warning says so)",
+    )
+    p.add_argument("--port", metavar="PORT", type=arg.port, default=8000, help="TCP port to listen on")
+    p.add_argument(
+        "--dtype",
+        metavar="DTYPE",
+        type=arg.dtype,
+        default="float32",
+        help=f"weights dtype: {', '.join(arg.DTYPE_NAMES)}",
+    )
+    p.add_argument(
+        "--revision", metavar="REV", default=None, help="the target's Hub revision (default: the main branch)"
+    )
+    p.add_argument(
+        "--served-model-name",
+        metavar="NAME",
+        default=None,
+        help="the model name clients send and /v1/models shows (default: --target)",
+    )
+    p.add_argument(
+        "--allow-mismatch",
+        nargs="*",
+        default=[],
+        metavar="FIELD",
+        help="target identity fields the drafter's export may differ in (default: none)",
+    )
     p.add_argument(
         "--max-model-len",
+        metavar="TOKENS",
         type=arg.positive_int,
         default=None,
-        help="longest prompt + completion served (default: the target's max_position_embeddings)",
+        help="longest prompt + completion served, in tokens (default: the target's max_position_embeddings)",
     )
     p.add_argument(
-        "--max-num-seqs", type=arg.positive_int, default=64, help="most sequences decoded together (as vLLM's)"
+        "--max-num-seqs",
+        metavar="N",
+        type=arg.positive_int,
+        default=64,
+        help="most sequences decoded together (as vLLM's)",
     )
     p.add_argument(
         "--max-num-batched-tokens",
+        metavar="TOKENS",
         type=arg.positive_int,
         default=2048,
         help="most tokens one step reads, decode rows and prefill chunks together (as vLLM's)",
     )
     p.add_argument(
         "--max-waiting-requests",
+        metavar="N",
         type=arg.positive_int,
         default=1024,
         help="requests allowed to wait for a batch slot; past it new requests get HTTP 429",
+    )
+    p.add_argument(
+        "--api-key",
+        metavar="KEY",
+        type=arg.non_empty,
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize and /detokenize (401 without it; /health, "
+        f"/version and /metrics stay open); ${API_KEY_ENV} is read when the flag is absent and keeps the key out "
+        f"of the process list (default: ${API_KEY_ENV}, else no key)",
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        metavar="BYTES",
+        type=arg.positive_int,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        help="largest request body; larger ones get HTTP 413 before they are parsed (8 MiB holds a 128k-token "
+        "prompt many times over)",
     )
     p.set_defaults(fn=cmd_serve)
 
@@ -476,8 +545,15 @@ def _check_engine(args) -> None:
     _check_head_and_target(args)
     if args.speculative_config is not None:
         check_speculative_models(args.speculative_config, where="--speculative-config")
+    if args.speculative_config is not None:
+        from draftsmith.drafters.speculative import SpeculativeConfig
+
+        SpeculativeConfig.parse(args.speculative_config)  # unknown keys, bad values: before the target loads
     if args.verb == "serve":
         check_listen(args.host, args.port)
+        if args.api_key is None:
+            args.api_key = os.environ.get(API_KEY_ENV) or None
+        warn_if_exposed(args.host, args.api_key)
 
 
 def _check_bench(args) -> None:
@@ -529,6 +605,29 @@ def check_listen(host: str, port: int) -> None:
             raise ValueError(
                 f"cannot listen on {host}:{port} ({e.strerror}); stop what holds the port, or pass another --port"
             ) from None
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> bool:
+    """Log a warning (and return True) when ``host`` is not a loopback address and no API key is set: anyone who
+    reaches the port can then generate, at the cost of this machine's accelerator."""
+    import socket
+
+    if api_key:
+        return False
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+        loopback = all(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses)
+    except (OSError, ValueError):
+        loopback = False
+    if loopback:
+        return False
+    logging.getLogger("draftsmith.serve").warning(
+        "serving on %s without an API key: anyone who can reach this port can use the server; pass --api-key "
+        "(or set %s), or listen on 127.0.0.1",
+        host,
+        API_KEY_ENV,
+    )
+    return True
 
 
 def main(argv=None) -> int:

@@ -57,7 +57,8 @@ def logits_to_probs(
     if top_p is not None and top_p < 1.0:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # mass of strictly more likely tokens
-        drop_sorted = mass_before >= top_p  # never drops the first (mass_before 0)
+        drop_sorted = mass_before >= top_p
+        drop_sorted[..., 0] = False  # the most likely token stays, even for a top_p that is 0.0 in float32 (1e-300)
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)

@@ -53,9 +53,9 @@ from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.models import load_causal_lm, resolve_model_dtype
 from draftsmith.serve.memory import plan_for_engine
 from draftsmith.serve.metrics import EngineMetrics
-from draftsmith.serve.scheduler import EngineOverloaded, RequestCancelled, Scheduler
+from draftsmith.serve.scheduler import EngineClosed, EngineOverloaded, RequestCancelled, Scheduler
 
-__all__ = ["Engine", "EngineOverloaded", "EngineResult", "RequestCancelled", "RequestError"]
+__all__ = ["Engine", "EngineClosed", "EngineOverloaded", "EngineResult", "RequestCancelled", "RequestError"]
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +158,8 @@ class Engine:
         )
 
     def close(self) -> None:
-        """Stop the scheduler thread (requests still in it fail); the engine serves no more."""
+        """Stop the scheduler thread after its current step; requests still queued or running end with
+        ``EngineClosed`` (the server answers 503). The engine serves no more; calling it again does nothing."""
         self.scheduler.close()
 
     @classmethod
@@ -270,7 +271,8 @@ class Engine:
         Raises:
             RequestError: the prompt fails ``check_prompt``. RequestCancelled: ``cancel`` was set (counted as
                 finished_reason 'abort' in the ``vllm:`` metrics).
-            EngineOverloaded: the waiting queue is full.
+            EngineOverloaded: the waiting queue is full. EngineClosed: the engine was closed before or while the
+                sequence ran.
         """
         arrival = time.perf_counter() if arrival is None else arrival
         prompt = [int(t) for t in prompt_ids]

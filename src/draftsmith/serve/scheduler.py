@@ -10,7 +10,9 @@ rows that are running plus as much prefill of newcomers as the token budget leav
 ``max_num_seqs`` wait; beyond ``max_waiting`` waiting requests a new one is refused at once
 (``EngineOverloaded``; the server answers 429, as TGI does past ``--max-concurrent-requests``) rather than
 queued for minutes. A cancelled request (its ``cancel`` event set: the client went away) leaves at the next
-step, waiting or running. Callbacks of a sequence (tokens, text, stops) run on the scheduler thread.
+step, waiting or running. Callbacks of a sequence (tokens, text, stops) run on the scheduler thread. A step that
+raises fails every request the scheduler holds (each ends with that error; none is left waiting). ``close()``
+(the server shutting down) ends what is queued or running with ``EngineClosed`` (HTTP 503).
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ class EngineOverloaded(Exception):
 
 class RequestCancelled(Exception):
     """The request's ``cancel`` event was set (e.g. the client went away)."""
+
+
+class EngineClosed(RuntimeError):
+    """The scheduler was closed (the server is shutting down): the request was refused, or ended unfinished
+    (HTTP 503)."""
 
 
 class Job:
@@ -98,14 +105,14 @@ class Scheduler:
 
         Raises:
             EngineOverloaded: ``max_waiting`` requests are already waiting.
-            RuntimeError: the scheduler was closed.
+            EngineClosed (a RuntimeError): the scheduler was closed.
         """
         job = Job(seq, cancel)
         if seq.queued_s is None:
             seq.queued_s = time.perf_counter()  # the inbox is part of the waiting queue
         with self._wake:
             if self._closed:
-                raise RuntimeError("the engine's scheduler is closed")
+                raise EngineClosed("the engine is closed; the request was not run")
             if self.num_waiting >= self.max_waiting:
                 raise EngineOverloaded(
                     f"the server is at capacity: {self.num_running} requests running and {self.num_waiting} "
@@ -118,8 +125,14 @@ class Scheduler:
             self._wake.notify()
         return job
 
+    @property
+    def closed(self) -> bool:
+        """True once ``close()`` was called: no request is taken any more."""
+        return self._closed
+
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the thread after its current step; sequences still queued or running end with ``RuntimeError``."""
+        """Stop the thread after its current step (waiting at most ``timeout`` seconds for it); sequences still
+        queued or running end with ``EngineClosed``. Idempotent."""
         with self._wake:
             self._closed = True
             self._wake.notify()
@@ -152,6 +165,10 @@ class Scheduler:
             except Exception as e:  # noqa: BLE001 - a fault of the batch: every request in it fails, loudly
                 logger.exception("a batch step failed; failing its %d requests", len(self._jobs))
                 ended = decoder.abort(e)
+                for job in self._jobs.values():  # also a sequence the step had taken out of the queues
+                    if not job.seq.done:
+                        job.seq.error, job.seq.done = e, True
+                ended = [job.seq for job in self._jobs.values()]
             for seq in ended:
                 job = self._jobs.pop(seq.key, None)
                 if job is not None:
@@ -159,5 +176,6 @@ class Scheduler:
             if self.metrics is not None:
                 self.metrics.set_queue(self.num_running, self.num_waiting, self.kv_cache_usage())
         for job in list(self._jobs.values()) + list(self._inbox):
-            job.seq.error, job.seq.done = job.seq.error or RuntimeError("the engine was shut down"), True
+            shut = EngineClosed("the engine was closed before the request finished")
+            job.seq.error, job.seq.done = job.seq.error or shut, True
             job.ended.set()
