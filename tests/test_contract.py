@@ -203,10 +203,11 @@ def test_batched_greedy_equals_each_sequence_alone(served, target, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("batch_size", [1, 4, 16])
+@pytest.mark.parametrize("batch_size", [4, 16])
 def test_batched_sampling_is_lossless(stub, name, batch_size):
-    """Sampling at T = 1 in batches of 1, 4 and 16 (each row its own seeds) follows the exact law and plain
-    sampling, pair by pair (``tests/lossless.py``), with drafts accepted and rejected."""
+    """Sampling at T = 1 in batches of 4 and 16 (each row its own seeds, rows joining as others finish) follows
+    the exact law and plain sampling, pair by pair (``tests/lossless.py``), with drafts accepted and rejected.
+    A batch of 1 is ``test_sampling_is_lossless`` (``generate_speculative`` is the batch decoder with one row)."""
     import lossless
 
     honour_opt_out(name, "batch")

@@ -157,6 +157,7 @@ def test_requests_fill_every_dashboard_series(served):
         count = sum(r["choices"][0]["finish_reason"] == reason for r in finished)
         assert d("vllm:request_success_total", finished_reason=reason) == count
     assert d("vllm:request_success_total", finished_reason="abort") == 1
+    assert delta[("draftsmith:request_success_total", frozenset({("finished_reason", "abort")}))] == 1  # ours too
     # the aborted request read its prompt and made tokens before the cancel was seen (at its next chunk)
     tokens = d("vllm:generation_tokens_total")
     assert tokens - sum(u["completion_tokens"] for u in usages) >= 1

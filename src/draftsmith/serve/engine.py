@@ -348,6 +348,9 @@ class Engine:
             raise
         finally:
             end = time.perf_counter()
+            if finished_reason in ("abort", "error"):  # the draftsmith: series count what ended badly too
+                first = seq.first_token_s - arrival if seq.first_token_s is not None else None
+                self.metrics.record_request(len(prompt), len(text.tokens), finished_reason, first, end - arrival)
             if vllm is not None and finished_reason is not None:
                 vllm.record_finished(
                     finished_reason,

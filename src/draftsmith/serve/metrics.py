@@ -11,7 +11,8 @@ requests are not counted here):
     draftsmith:spec_decode_num_accepted_tokens_total             accepted drafted tokens
     draftsmith:spec_decode_num_accepted_tokens_per_pos_total{position="i"}   drafts whose token i was accepted
     draftsmith:prompt_tokens_total, draftsmith:generation_tokens_total
-    draftsmith:request_success_total{finished_reason="stop"|"length"}
+    draftsmith:request_success_total{finished_reason="stop"|"length"|"abort"|"error"}   (abort: cancelled,
+                                                 e.g. the client went away; error: the request failed)
     draftsmith:time_to_first_token_seconds      histogram: request arrival -> first token emitted (prefill)
     draftsmith:time_per_output_token_seconds    histogram: (latency - TTFT) / (tokens - 1), tokens > 1
     draftsmith:e2e_request_latency_seconds      histogram: request arrival -> last token
@@ -158,6 +159,8 @@ class EngineMetrics:
         self.request_success = Counter(
             PREFIX + "request_success", "Finished requests by finish reason.", ["finished_reason"], registry=r
         )
+        for reason in ("stop", "length", "abort", "error"):  # every series exists before the first request
+            self.request_success.labels(finished_reason=reason)
         self.ttft = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "Request arrival to first emitted token (queue wait + prefill).",
