@@ -198,6 +198,13 @@ class PerSequence(BatchProposer):
             needs_final_hidden=proposer.needs_final_hidden,
         )
 
+    @classmethod
+    def over(cls, factory: Callable[[Sampling], Proposer]) -> "PerSequence":
+        """An adapter making one ``factory(sampling)`` proposer per row; what they read (aux / final hidden
+        states) is taken from one proposer made with the default ``Sampling``."""
+        probe = factory(Sampling())
+        return cls(factory, needs_aux_hidden=probe.needs_aux_hidden, needs_final_hidden=probe.needs_final_hidden)
+
     @property
     def name(self) -> str:
         """The per-sequence proposers' class name (``PerSequence`` before any row started)."""

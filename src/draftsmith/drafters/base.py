@@ -59,10 +59,7 @@ class LoadedDrafter(abc.ABC):
         """A proposer for the rows of a batch (``core.proposer.BatchProposer``), each row drafting with its own
         ``Sampling``. Default: one ``new_proposer`` per row (``PerSequence``); drafters whose work batches
         override it, and must draft exactly what ``new_proposer`` drafts for each row (contract test)."""
-        probe = self.new_proposer(Sampling())
-        return PerSequence(
-            self.new_proposer, needs_aux_hidden=probe.needs_aux_hidden, needs_final_hidden=probe.needs_final_hidden
-        )
+        return PerSequence.over(self.new_proposer)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Refuse (ValueError naming both lengths and the fix) or warn when sequences of ``max_model_len`` tokens

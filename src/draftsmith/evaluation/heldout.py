@@ -52,12 +52,7 @@ class EvalRow:
         """A fresh batched proposer for this row."""
         if self.make_batch_proposer is not None:
             return self.make_batch_proposer()
-        probe = self.make_proposer()
-        return PerSequence(
-            lambda _sampling: self.make_proposer(),
-            needs_aux_hidden=probe.needs_aux_hidden,
-            needs_final_hidden=probe.needs_final_hidden,
-        )
+        return PerSequence.over(lambda _sampling: self.make_proposer())
 
 
 class TimedProposer(BatchProposer):
