@@ -15,7 +15,7 @@ order). One tensor per sequence j and field, so a sequence is read without touch
 
     {j}.input_ids       [T]      int64          the rendered conversation (``chat.render``), cut to max_length
     {j}.loss_mask       [T]      bool           assistant-only mask
-    {j}.aux_hidden      [T, 3H]  capture dtype  hidden_states[i] for i in aux_layer_ids, concatenated, as
+    {j}.aux_hidden      [T, nH]  capture dtype  hidden_states[i] for i in aux_layer_ids, concatenated, as
                                                 ``capture.capture`` (HF hidden-states index convention)
     {j}.final_hidden    [T, H]   capture dtype  hidden_states[-1]: the last layer's output AFTER the final norm
     conversation_index  [n]      int64          input-list position of each stored sequence
@@ -222,7 +222,7 @@ def _write_shard(
         layout += [
             (f"{j}.input_ids", torch.int64, (t,)),
             (f"{j}.loss_mask", torch.bool, (t,)),
-            (f"{j}.aux_hidden", dtype, (t, 3 * hidden)),
+            (f"{j}.aux_hidden", dtype, (t, len(aux_layer_ids) * hidden)),
             (f"{j}.final_hidden", dtype, (t, hidden)),
         ]
     metadata = {
@@ -547,7 +547,7 @@ class ShardReader:
             (t,) = f.get_slice(f"{j}.input_ids").get_shape()
             for name, shape, dtype in (
                 ("loss_mask", [t], "BOOL"),
-                ("aux_hidden", [t, 3 * h], st_dtype),
+                ("aux_hidden", [t, len(self.aux_layer_ids) * h], st_dtype),
                 ("final_hidden", [t, h], st_dtype),
             ):
                 piece = f.get_slice(f"{j}.{name}")

@@ -1,7 +1,7 @@
 """The drafters, one folder each, found by name through this registry: the one place a drafter is listed.
 
     from draftsmith import drafters
-    drafters.names()                          # ('eagle3', 'mlp_speculator', 'draft_model', 'ngram')
+    drafters.names()                          # ('eagle3', 'mlp_speculator', 'draft_model', 'ngram', 'dflash')
     drafters.section_class("eagle3")          # its recipe section (torch-free, drafters/eagle3/config.py)
     drafters.get("eagle3")                    # its Drafter (drafters/base.py contract; drafters/eagle3/drafter.py)
 
@@ -24,6 +24,7 @@ REGISTRY: dict[str, str] = {
     "mlp_speculator": "draftsmith.drafters.mlp_speculator",
     "draft_model": "draftsmith.drafters.draft_model",
     "ngram": "draftsmith.drafters.ngram",
+    "dflash": "draftsmith.drafters.dflash",
 }
 #: the drafter a recipe trains when it names none (the main job's)
 DEFAULT = "eagle3"

@@ -64,8 +64,9 @@ VLLM_VENV = Path(
 # research: HEAD/ (LlamaForCausalLMEagle3) as the EAGLE-3 draft of the target; speculators: HEAD/speculators/
 # as that draft; serve: HEAD/speculators/ as the model itself (what `vllm serve HEAD/speculators` does:
 # vLLM reads the verifier's name_or_path from the config and loads it as the target).
+# vllm: HEAD/ itself as the draft, for drafters whose export root is vLLM's layout (MLP speculator, DFlash).
 FORMATS = ("research", "speculators")
-ALL_FORMATS = FORMATS + ("serve",)
+ALL_FORMATS = FORMATS + ("serve", "vllm")
 ENGINE = "vllm"
 WORKER = Path(__file__).with_name("vllm_worker.py")  # run by the vLLM venv's python: standard library + vllm
 
@@ -439,9 +440,9 @@ def record_verdicts(head_dir: str | Path, verdicts: list[Verdict], weights: dict
 
 
 def draft_dir(head_dir: str | Path, fmt: str) -> Path:
-    """The directory vLLM loads for a format: HEAD (research) or HEAD/speculators."""
+    """The directory vLLM loads for a format: HEAD (research, vllm) or HEAD/speculators."""
     head_dir = Path(head_dir)
-    if fmt == "research":
+    if fmt in ("research", "vllm"):
         return head_dir
     if fmt in ("speculators", "serve"):
         path = head_dir / "speculators"
