@@ -217,3 +217,53 @@ def test_vllm_decodes_like_draftsmith(tmp_path, vllm_opted_in):
     assert all(v.match for v in verdicts), table
     assert set(read_metadata(head_dir).referee) == {"vllm/research/k3", "vllm/speculators/k3"}
     assert json.dumps(read_metadata(head_dir).to_dict())  # still serialisable
+
+
+def build_tiny_dflash(root, seed: int = 0):
+    """``build_tiny``'s target with a DFlash drafter (2 layers, block 4) fitted to the target's own greedy
+    continuations for a few seconds, exported to ``root/dflash`` (vLLM's DFlashDraftModel layout)."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from draftsmith.drafters.dflash.config import Section
+    from draftsmith.drafters.dflash.export import export_dflash
+    from draftsmith.drafters.dflash.train import block_loss, build_dflash
+    from draftsmith.identity import target_identity
+
+    target_dir, _, _ = build_tiny(root, seed)
+    target = LlamaForCausalLM.from_pretrained(target_dir).eval()
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    torch.manual_seed(seed)
+    head = build_dflash(target, Section(block_size=4, num_speculative_tokens=3, target_layer_ids=[0, 2]), tok)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        seqs = target.generate(
+            torch.randint(6, VOCAB, (32, 8), generator=g), max_new_tokens=56, do_sample=False, min_new_tokens=56,
+            pad_token_id=0,
+        )
+        out = target(seqs, output_hidden_states=True)
+        aux = torch.cat([out.hidden_states[i] for i in head.config.aux_layer_ids], dim=-1)
+    mask = torch.ones_like(seqs, dtype=torch.bool)
+    opt = torch.optim.Adam(head.parameters(), lr=3e-3)
+    for _ in range(TRAIN_STEPS):
+        loss = block_loss(head, aux, seqs, out.logits, mask, num_anchors=16, gamma=4.0).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    export_dflash(head.eval(), root / "dflash", target_identity(target, tok, str(target_dir)))
+    return target_dir, root / "dflash", tok
+
+
+@pytest.mark.vllm
+def test_vllm_decodes_dflash_like_draftsmith(tmp_path, vllm_opted_in):
+    """vLLM serves the DFlash export as method dflash (its DFlashQwen3 model, non-causal CPU attention) and
+    decodes the same tokens with the same spec-decode counters as draftsmith's runtime."""
+    from draftsmith.evaluation.referee import format_table, referee
+    from draftsmith.export.metadata import read_metadata
+
+    target_dir, head_dir, tok = build_tiny_dflash(tmp_path)
+    verdicts, _ = referee(head_dir, str(target_dir), tiny_prompts(tok), ks=(3,), formats=("vllm",), max_tokens=MAX_TOKENS)
+    table = format_table(verdicts)
+    print(table)
+    assert all(v.match for v in verdicts), table
+    assert sum(verdicts[0].details["ours"]["accepted_per_pos"]) > 0, "the fitted drafter accepts nothing: vacuous"
+    assert set(read_metadata(head_dir).referee) == {"vllm/vllm/k3"}

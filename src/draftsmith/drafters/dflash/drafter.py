@@ -21,7 +21,7 @@ from draftsmith.drafters.dflash.export import (
     reexport_dflash,
 )
 from draftsmith.drafters.dflash.head import DFlashConfig, DFlashHead
-from draftsmith.drafters.dflash.proposer import DFlashProposer
+from draftsmith.drafters.dflash.proposer import BatchDFlashProposer, DFlashProposer
 from draftsmith.drafters.dflash.train import DFlashSpec, build_dflash
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.export.metadata import read_metadata
@@ -42,6 +42,10 @@ class LoadedDFlash(LoadedDrafter):
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh ``DFlashProposer`` drafting with the request's settings."""
         return DFlashProposer(self.head, sampling=sampling)
+
+    def new_batch_proposer(self) -> BatchDFlashProposer:
+        """One drafter forward per step for the whole batch (``BatchDFlashProposer``)."""
+        return BatchDFlashProposer(self.head)
 
     def check_max_model_len(self, max_model_len: int) -> None:
         """Past max_position_embeddings the drafter runs at positions it was not trained on: a warning."""

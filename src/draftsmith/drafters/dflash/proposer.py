@@ -16,13 +16,15 @@ from its position's q = logits_to_probs(processed logits) (``core.proposer.Sampl
 rejection sampling only needs each d_j to be drawn from the q_j it is verified with (Leviathan et al. 2023), and
 q_j here depends on the context alone, not on d_1..d_{j-1}, which is still a valid proposal. k past the trained
 block (block_size - 1) is refused, as the drafter has no trained position for it.
+
+``DFlashProposer`` drafts for one sequence; ``BatchDFlashProposer`` drafts every row of a batch in one forward.
 """
 
 from __future__ import annotations
 
 import torch
 
-from draftsmith.core.proposer import Proposal, Proposer, Sampling
+from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
 from draftsmith.core.sampling import seeded_generator
 from draftsmith.drafters.dflash.head import DFlashHead
 
@@ -108,3 +110,83 @@ class DFlashProposer(Proposer):
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:
         """Verify rows 0..n become context; the next block starts with ``emitted[n]``."""
         self._extend(target_step.aux_hidden, n_accepted + 1, int(emitted[n_accepted]))
+
+
+class BatchDFlashProposer(BatchProposer):
+    """DFlash over a batch: ONE drafter forward per step for every row still drafting. Row b's block is
+    [last token, mask × k_b] at its own positions over its own context (rows' contexts differ in length: padded to
+    the longest and masked, as are block keys past k_b + 1, so each row sees exactly the block it sees alone);
+    each row then draws with its own settings and generator, as ``DFlashProposer`` does alone.
+
+    Args:
+        head: the drafter (eval mode is set), on the device where drafts are computed.
+
+    Raises:
+        ValueError: ``propose`` with some k > block_size - 1.
+    """
+
+    needs_aux_hidden = True
+
+    def __init__(self, head: DFlashHead):
+        self.head = head.eval()
+        self.device = head.fc.weight.device
+        self.rows: dict[int, DFlashProposer] = {}  # per-row context cache, sampling and generator
+
+    def start(self, key, prompt_ids, first_token, target_step, sampling) -> None:
+        row = DFlashProposer(self.head, sampling=sampling)
+        row.start(prompt_ids, first_token, target_step)
+        self.rows[key] = row
+
+    @torch.inference_mode()
+    def propose(self, keys, ks) -> list[Proposal]:
+        rows = [self.rows[key] for key in keys]
+        drafting = [b for b, k in enumerate(ks) if k > 0]
+        out = [Proposal.empty() for _ in keys]
+        if len(drafting) == 1:  # nothing to batch: the row's own forward, unpadded
+            b = drafting[0]
+            out[b] = rows[b].propose(ks[b])
+            return out
+        if not drafting:
+            return out
+        max_k = self.head.config.max_k
+        if max(ks) > max_k:
+            raise ValueError(
+                f"k={max(ks)} drafts asked of a DFlash drafter trained with block_size={self.head.config.block_size}"
+                f" (at most {max_k} per block); use num_speculative_tokens <= {max_k} or train a larger block"
+            )
+        dev, c = self.device, self.head.config
+        active = [rows[b] for b in drafting]
+        k_b = torch.tensor([ks[b] for b in drafting], device=dev)  # [B']
+        lengths = torch.tensor([r.length for r in active], device=dev)  # [B']
+        q_len, ctx_len = int(k_b.max()) + 1, int(lengths.max())
+        ids = torch.full((len(active), q_len), c.mask_token_id, dtype=torch.long, device=dev)
+        ids[:, 0] = torch.tensor([r.last_token for r in active], device=dev)
+        positions = lengths[:, None] + torch.arange(q_len, device=dev)  # [B', Q]
+        ctx_kv = []
+        for layer in range(c.num_hidden_layers):
+            k_pad = active[0].kv[layer][0].new_zeros(len(active), c.num_key_value_heads, ctx_len, c.head_dim)
+            v_pad = torch.zeros_like(k_pad)
+            for i, r in enumerate(active):
+                k_pad[i, :, : r.length] = r.kv[layer][0][0]
+                v_pad[i, :, : r.length] = r.kv[layer][1][0]
+            ctx_kv.append((k_pad, v_pad))
+        sees_ctx = torch.arange(ctx_len, device=dev)[None] < lengths[:, None]  # [B', C]
+        sees_block = torch.arange(q_len, device=dev)[None] <= k_b[:, None]  # [B', Q]
+        mask = torch.cat([sees_ctx, sees_block], dim=1)[:, None, None, :].expand(-1, 1, q_len, -1)
+        logits = self.head.logits(self.head.block(ids, positions, ctx_kv, mask)[:, 1:])  # [B', Q-1, V]
+        for i, b in enumerate(drafting):
+            row, tokens, qs = rows[b], [], []
+            for j in range(ks[b]):
+                token, q = row.sampling.draw(logits[i, j], row.generator, tokens)
+                tokens.append(token)
+                qs.append(q)
+            q = None if row.sampling.temperature == 0 else torch.stack(qs).float().cpu()
+            out[b] = Proposal(torch.tensor(tokens, dtype=torch.long), q)
+        return out
+
+    def accept(self, keys, n_accepted, emitted, step) -> None:
+        for b, key in enumerate(keys):
+            self.rows[key].accept(n_accepted[b], emitted[b], step.row(b))
+
+    def stop(self, key) -> None:
+        self.rows.pop(key, None)
