@@ -237,7 +237,10 @@ def build_tiny_dflash(root, seed: int = 0):
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         seqs = target.generate(
-            torch.randint(6, VOCAB, (32, 8), generator=g), max_new_tokens=56, do_sample=False, min_new_tokens=56,
+            torch.randint(6, VOCAB, (32, 8), generator=g),
+            max_new_tokens=56,
+            do_sample=False,
+            min_new_tokens=56,
             pad_token_id=0,
         )
         out = target(seqs, output_hidden_states=True)
@@ -261,7 +264,9 @@ def test_vllm_decodes_dflash_like_draftsmith(tmp_path, vllm_opted_in):
     from draftsmith.export.metadata import read_metadata
 
     target_dir, head_dir, tok = build_tiny_dflash(tmp_path)
-    verdicts, _ = referee(head_dir, str(target_dir), tiny_prompts(tok), ks=(3,), formats=("vllm",), max_tokens=MAX_TOKENS)
+    verdicts, _ = referee(
+        head_dir, str(target_dir), tiny_prompts(tok), ks=(3,), formats=("vllm",), max_tokens=MAX_TOKENS
+    )
     table = format_table(verdicts)
     print(table)
     assert all(v.match for v in verdicts), table

@@ -1,0 +1,109 @@
+"""Draft cost per drafted token: one DFlash block forward against an EAGLE-3 chain of k head steps.
+
+Prints, for each drafter and k, the median milliseconds of ``propose(k)`` (interleaved repetitions, fixed torch
+threads, a C-token context), the cost per drafted token, its ratio to EAGLE-3's at the same k, and the weight bytes
+one drafting step reads (at these batch-1 sizes a step is bound by reading its weights: small-M GEMMs). The
+exported drafters are measured as served; ``--layers`` adds untrained DFlash drafters of other depths (cost does
+not depend on the weights' values).
+
+Run: python bench/dflash_cost.py --dflash runs/reference-dflash/head --eagle3 runs/reference-eagle3/head \\
+         [--threads 1] [--context 256] [--k 3 5 7] [--layers 1 2]
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+
+import torch
+
+from draftsmith.arguments import ArgumentParser, run_guarded
+from draftsmith.core.target import TargetModel
+from draftsmith.drafters.dflash.config import Section
+from draftsmith.drafters.dflash.export import load_dflash
+from draftsmith.drafters.dflash.proposer import DFlashProposer
+from draftsmith.drafters.dflash.train import build_dflash
+from draftsmith.drafters.eagle3.check import load_eagle3
+from draftsmith.drafters.eagle3.proposer import Eagle3Proposer
+from draftsmith.models import load_causal_lm
+
+
+def step_bytes(modules, extra: torch.Tensor | None = None, times: int = 1) -> int:
+    """Bytes of weight matrices one ``propose`` reads: those of ``modules`` ``times`` over (EAGLE-3: its decoder
+    layer and lm_head once per chain step; the fc runs at accept), plus ``extra`` (DFlash: the target's lm_head)."""
+    own = sum(p.numel() * p.element_size() for m in modules for p in m.parameters() if p.dim() == 2)
+    return times * own + (0 if extra is None else extra.numel() * extra.element_size())
+
+
+@torch.inference_mode()
+def main(argv=None) -> int:
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="reference")
+    p.add_argument("--dflash", required=True, help="exported DFlash drafter directory")
+    p.add_argument("--eagle3", required=True, help="exported EAGLE-3 head directory")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--k", type=int, nargs="+", default=[3, 5, 7])
+    p.add_argument("--layers", type=int, nargs="*", default=[1], help="untrained DFlash depths to add")
+    p.add_argument("--repeats", type=int, default=40)
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    model, tok = load_causal_lm(a.target, dtype="float32")
+    lm_head = model.get_output_embeddings().weight
+    ctx = torch.randint(3, model.config.vocab_size, (a.context,), generator=torch.Generator().manual_seed(0))
+
+    e3, _ = load_eagle3(a.eagle3, model, tok)
+    e3 = e3.float()
+    e3.bind_embedding(model.get_input_embeddings())
+    trained, _ = load_dflash(a.dflash, model, tok)
+    drafters = {"eagle3": e3, f"dflash ({trained.config.num_hidden_layers} layers, trained)": trained.float()}
+    for n in a.layers:
+        torch.manual_seed(0)
+        section = Section(
+            block_size=trained.config.block_size,
+            num_speculative_tokens=1,
+            num_hidden_layers=n,
+            target_layer_ids=list(trained.config.target_layer_ids),
+        )
+        drafters[f"dflash ({n} layers, untrained)"] = build_dflash(model, section, tok).eval()
+    proposers = {}
+    for name, head in drafters.items():
+        if name == "eagle3":
+            target = TargetModel(model, aux_layer_ids=head.config.aux_layer_ids)
+            prop = Eagle3Proposer(head)
+        else:
+            head.bind_target(model.get_input_embeddings(), model.get_output_embeddings())
+            target = TargetModel(model, aux_layer_ids=head.config.aux_layer_ids)
+            prop = DFlashProposer(head)
+        prop.start(ctx, 5, target.forward(ctx, target.new_cache()))
+        proposers[name] = prop
+    k_max = max(a.k)
+    if k_max > trained.config.max_k:
+        raise SystemExit(f"--k {k_max} > the DFlash block's {trained.config.max_k}")
+    times = {(name, k): [] for name in proposers for k in a.k}
+    for _ in range(a.repeats):  # interleaved: a noisy neighbour hits every row alike
+        for (name, k), out in times.items():
+            t0 = time.perf_counter()
+            proposers[name].propose(k)
+            out.append(time.perf_counter() - t0)
+    cpu = platform.processor() or platform.machine()
+    print(
+        f"torch {torch.__version__}, {a.threads} thread(s), capability {torch.backends.cpu.get_cpu_capability()}, "
+        f"{cpu}; context {a.context} tokens; median of {a.repeats}"
+    )
+    print(f"{'drafter':34s} {'k':>2s} {'propose ms':>10s} {'ms/token':>9s} {'vs eagle3':>9s} {'MB read':>8s}")
+    for k in a.k:
+        e3_ms = statistics.median(times[("eagle3", k)]) * 1e3 / k
+        for name, head in drafters.items():
+            ms = statistics.median(times[(name, k)]) * 1e3
+            if name == "eagle3":
+                mb = step_bytes([head.midlayer, head.lm_head], times=k) / 2**20
+            else:
+                mb = step_bytes([head.layers], lm_head) / 2**20
+            print(f"{name:34s} {k:2d} {ms:10.2f} {ms / k:9.2f} {ms / k / e3_ms:8.2f}x {mb:8.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(run_guarded("python bench/dflash_cost.py", main))
