@@ -260,6 +260,40 @@ def check_listed_weight_files(
         )
 
 
+def verified_weight_file(root: Path, meta: HeadMetadata, expected: dict[str, tuple[int, ...]], where: str, what: str):
+    """The layout's one weight file (``WEIGHTS_FILE``), hashed and parsed from the same bytes, every tensor checked
+    against ``expected`` (name -> shape): what a single-file export (MLP speculator, DFlash) loads.
+
+    Raises HeadMismatchError (field ``weights``): the file is not listed, another weight file is listed or lies
+    in the directory, the hash differs, the file does not parse, or a tensor is missing, extra or misshapen."""
+    from safetensors.torch import load as load_safetensors  # torch only where weights are read
+
+    if WEIGHTS_FILE not in meta.weights:
+        raise HeadMismatchError(
+            "weights", f"{where}: weights: draftsmith.json lists no {WEIGHTS_FILE}. Fix: re-export."
+        )
+    check_listed_weight_files(root, meta, (WEIGHTS_FILE,), where, what)
+    data = weight_file_bytes(root, WEIGHTS_FILE, meta.weights[WEIGHTS_FILE], where)
+    at = str(root / WEIGHTS_FILE)
+    try:
+        sd = load_safetensors(data)
+    except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
+        raise HeadMismatchError("weights", f"{at}: weights: the file cannot be read ({e}). Fix: re-export.") from e
+    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
+    if missing or unexpected:
+        raise HeadMismatchError(
+            "weights",
+            f"{at}: weights: missing tensor(s) {missing}, unexpected {unexpected} for this {what}'s geometry. "
+            "Fix: re-export the head.",
+        )
+    bad = [f"{k} {tuple(sd[k].shape)} (geometry needs {s})" for k, s in expected.items() if tuple(sd[k].shape) != s]
+    if bad:
+        raise HeadMismatchError(
+            "weights", f"{at}: weights: {', '.join(bad)}. Fix: re-export the head; config and weights disagree."
+        )
+    return sd
+
+
 def check_recorded_copies(meta: HeadMetadata, fields: dict[str, str], where: str) -> None:
     """Top-level copies in draftsmith.json equal the ``head_config`` field they restate (``fields``: top-level
     name -> head_config name; a head_config without the field is not compared). Tools read either copy

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load as load_safetensors
 
 from draftsmith.core.aux_layers import AUX_LAYER_CONVENTION
 from draftsmith.drafters.dflash.head import DFlashConfig, DFlashHead, expected_weight_shapes
@@ -45,9 +44,8 @@ from draftsmith.export.check import (
     WEIGHTS_FILE,
     CheckReport,
     check_allow_mismatch,
-    check_listed_weight_files,
     check_recorded_target,
-    weight_file_bytes,
+    verified_weight_file,
 )
 from draftsmith.export.metadata import HeadMetadata, HeadMismatchError, read_metadata, write_json_atomic, write_metadata
 from draftsmith.export.writer import save_safetensors, staged_directory
@@ -232,32 +230,8 @@ def _head_config(meta: HeadMetadata, where: str) -> DFlashConfig:
 
 
 def _verified_state_dict(head_dir: Path, meta: HeadMetadata, c: DFlashConfig, where: str) -> dict[str, torch.Tensor]:
-    """The weight file hashed and parsed from the same bytes, every tensor checked against the geometry."""
-    if WEIGHTS_FILE not in meta.weights:
-        raise HeadMismatchError(
-            "weights", f"{where}: weights: draftsmith.json lists no {WEIGHTS_FILE}. Fix: re-export."
-        )
-    check_listed_weight_files(head_dir, meta, (WEIGHTS_FILE,), where, "DFlash drafter")
-    data = weight_file_bytes(head_dir, WEIGHTS_FILE, meta.weights[WEIGHTS_FILE], where)
-    at = str(head_dir / WEIGHTS_FILE)
-    try:
-        sd = load_safetensors(data)
-    except Exception as e:  # noqa: BLE001 - a file matching its hash but unparsable was exported broken
-        raise HeadMismatchError("weights", f"{at}: weights: the file cannot be read ({e}). Fix: re-export.") from e
-    expected = expected_weight_shapes(c)
-    missing, unexpected = sorted(set(expected) - set(sd)), sorted(set(sd) - set(expected))
-    if missing or unexpected:
-        raise HeadMismatchError(
-            "weights",
-            f"{at}: weights: missing tensor(s) {missing}, unexpected {unexpected} for a DFlash drafter of "
-            f"{c.num_hidden_layers} layers. Fix: re-export the drafter.",
-        )
-    bad = [f"{k} {tuple(sd[k].shape)} (geometry needs {s})" for k, s in expected.items() if tuple(sd[k].shape) != s]
-    if bad:
-        raise HeadMismatchError(
-            "weights", f"{at}: weights: {', '.join(bad)}. Fix: re-export the drafter; config and weights disagree."
-        )
-    return sd
+    """``export.check.verified_weight_file`` against the drafter's geometry."""
+    return verified_weight_file(head_dir, meta, expected_weight_shapes(c), where, "DFlash drafter")
 
 
 def _check_vllm_config(head_dir: Path, c: DFlashConfig, where: str) -> None:
