@@ -235,14 +235,16 @@ def check_counters(stats: SpecStats) -> None:
 
 
 def run_trials(
-    target, make_proposer, settings: dict, trials: int = TRIALS, k: int = K
+    target, make_proposer, settings: dict, trials: int = TRIALS, k: int = K, tree=None
 ) -> tuple[torch.Tensor, SpecStats]:
     """Sequences ``[trials, NEW]`` decoded from ``PROMPT`` with target seeds 0..trials-1, and the summed counters.
 
     ``target``: a ``core.target.TargetModel``; ``make_proposer(seed)``: a fresh proposer for the trial seeded
-    ``seed`` (drawing with ``settings``), or None for plain sampling."""
+    ``seed`` (drawing with ``settings``), or None for plain sampling. ``tree``: draft trees of that shape
+    (``core.tree.TreeShape``; k is then its depth)."""
     from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
 
+    k = tree.num_steps if tree is not None else k
     stats = SpecStats(k=k)
     out = torch.empty(trials, NEW, dtype=torch.long)
     for seed in range(trials):
@@ -250,14 +252,14 @@ def run_trials(
         if make_proposer is None:
             result = generate_plain(target, PROMPT, cfg)
         else:
-            result = generate_speculative(target, make_proposer(seed), PROMPT, cfg, k)
+            result = generate_speculative(target, make_proposer(seed), PROMPT, cfg, k, tree=tree)
             stats = stats.merge(result.stats)
         out[seed] = torch.tensor(result.tokens)
     return out, stats
 
 
 def run_trials_batched(
-    target, batch_proposer, settings: dict, batch_size: int, trials: int = TRIALS, k: int = K
+    target, batch_proposer, settings: dict, batch_size: int, trials: int = TRIALS, k: int = K, tree=None
 ) -> tuple[torch.Tensor, SpecStats]:
     """As ``run_trials``, decoded ``batch_size`` trials at a time by the batched runtime (``core.batch``): trial
     ``seed`` samples with target seed ``seed`` and drafter seed ``draft_seed(seed)``; ``batch_proposer`` serves
@@ -276,8 +278,9 @@ def run_trials_batched(
         k if batch_proposer is not None else 0,
         samplings=samplings,
         max_num_seqs=batch_size,
+        tree=tree,
     )
-    stats = SpecStats(k=k)
+    stats = SpecStats(k=tree.num_steps if tree is not None else k)
     for r in results:
         if r.stats is not None:
             stats = stats.merge(r.stats)

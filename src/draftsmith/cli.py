@@ -40,6 +40,7 @@ from pathlib import Path
 from draftsmith import arguments as arg
 from draftsmith import drafters
 from draftsmith.config import from_dict, read_config_data
+from draftsmith.core.tree_shape import TreeShape
 from draftsmith.drafters.speculative import check_speculative_models
 from draftsmith.evaluation.bench_config import build_parser as bench_parser
 from draftsmith.evaluation.bench_config import check_config, config_from_args
@@ -170,6 +171,14 @@ def cmd_push(args) -> int:
     return 0
 
 
+def _tree_shape(text: str) -> TreeShape:
+    """An argparse type for ``--tree topk=4,num_steps=5,num_draft_tokens=32`` (``core.tree_shape.TreeShape``)."""
+    try:
+        return TreeShape.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 def cmd_eval(args) -> int:
     from draftsmith.evaluation.heldout import format_table
     from draftsmith.pipeline.stages import eval_rows, run_eval
@@ -191,8 +200,10 @@ def cmd_eval(args) -> int:
             f"method {own} needs a head directory (--head DIR): an exported {own} head, e.g. "
             f"{recipe.run_dir / 'head'} after `draftsmith train`; or pick other rows with --methods"
         )
-    eval_rows(recipe, head, args.methods, args.k)  # every row is a valid speculative config, before loading
-    report = run_eval(recipe, head, allow_mismatch=tuple(args.allow_mismatch), labels=args.methods, k=args.k)
+    eval_rows(recipe, head, args.methods, args.k, args.tree)  # every row is a valid speculative config, first
+    report = run_eval(
+        recipe, head, allow_mismatch=tuple(args.allow_mismatch), labels=args.methods, k=args.k, tree=args.tree
+    )
     print(format_table(report))
     print(f"report: {recipe.run_dir / 'eval' / 'report.json'}")
     return 0
@@ -348,6 +359,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tasks", nargs="+", default=None, choices=TASK_NAMES)
     p.add_argument("--k", type=arg.positive_int, default=None)
+    p.add_argument(
+        "--tree",
+        type=_tree_shape,
+        default=None,
+        metavar="topk=T,num_steps=D,num_draft_tokens=N",
+        help="also evaluate each row that drafts trees (eagle3) with an EAGLE-2 draft tree of this shape "
+        "(SGLang's names), labelled ROW+tree, next to its chain",
+    )
     p.add_argument(
         "--prompts-per-task",
         type=arg.positive_int,

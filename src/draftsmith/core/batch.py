@@ -15,6 +15,12 @@ One ``BatchDecoder.step()``:
      (``BatchKVCache.commit``: per-row rollback), records its counters and appends its tokens through the same
      stop rules as one sequence (``sequence.Emitted``).
 
+With a ``tree`` (``core.tree.TreeShape``) each running row drafts a tree instead (``BatchProposer.propose_tree``):
+the verify forward reads [last token_b, its nodes] with ancestor-only attention (``BatchKVCache.begin``), each row
+walks its tree (``verify_tree_greedy`` / ``verify_tree_sampling``), the cache keeps the root and the accepted path
+(``BatchKVCache.commit`` with indices) and the proposer's ``accept`` reads those rows only
+(``BatchTargetStep.gather``), as after a chain.
+
 Row independence (tested): a row's drafts, p, q, random draws, stops and cache depend on that row only, so its
 output equals the same request decoded alone, whatever else is in the batch, up to the rounding of batched
 kernels (a GEMM's per-row result may depend on the batch size by ~1e-6 relative: on targets whose greedy argmax
@@ -46,6 +52,7 @@ from draftsmith.core.sequence import (
     next_token,
 )
 from draftsmith.core.target import TargetModel, TargetStep
+from draftsmith.core.tree import TreeShape, depths, path_tokens, verify_tree_greedy, verify_tree_sampling
 from draftsmith.core.verify import verify_greedy, verify_sampling
 
 _keys = itertools.count()
@@ -135,10 +142,12 @@ class BatchDecoder:
         max_num_batched_tokens: tokens one step may read, decode rows and prefill chunks together (vLLM
             ``--max-num-batched-tokens``); a step always makes progress (at least one prefill token when nothing
             runs).
+        tree: draft trees of this shape instead of chains of k (``core.tree.TreeShape``; counters then run over
+            ``tree.num_steps`` depths); None: chains.
 
     Raises:
-        ValueError: k < 0, max_num_seqs < 1, max_num_batched_tokens < 1, or a proposer reading aux states of
-            a target built without ``aux_layer_ids``.
+        ValueError: k < 0, max_num_seqs < 1, max_num_batched_tokens < 1, a proposer reading aux states of
+            a target built without ``aux_layer_ids``, or a tree without a proposer.
     """
 
     def __init__(
@@ -149,6 +158,7 @@ class BatchDecoder:
         *,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
+        tree: TreeShape | None = None,
     ):
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
@@ -161,8 +171,10 @@ class BatchDecoder:
                 f"{type(proposer).__name__} reads the target's aux hidden states: build the "
                 f"TargetModel with aux_layer_ids (e.g. from the head's config)"
             )
-        self.target, self.proposer = target, proposer
-        self.k = k if proposer is not None else 0
+        if tree is not None and proposer is None:
+            raise ValueError("a draft tree needs a proposer (plain decoding drafts nothing)")
+        self.target, self.proposer, self.tree = target, proposer, tree
+        self.k = (tree.num_steps if tree is not None else k) if proposer is not None else 0
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.final_hidden = bool(proposer is not None and proposer.needs_final_hidden)
         self.cache = BatchKVCache(target.model.config)
@@ -214,7 +226,7 @@ class BatchDecoder:
     def step(self) -> list[BatchSequence]:
         """Run one scheduler step (module docstring); returns the sequences that ended in it."""
         ended = self._leave()
-        decode_tokens = sum(1 + self._requested(s) for s in self.running)
+        decode_tokens = sum(1 + self._reads(s) for s in self.running)
         ended += self._prefill(max(0, self.max_num_batched_tokens - decode_tokens))
         if self.running:
             ended += self._decode()
@@ -227,7 +239,14 @@ class BatchDecoder:
             self.step()
 
     def _requested(self, seq: BatchSequence) -> int:
-        return min(self.k, seq.cfg.max_new_tokens - len(seq.tokens) - 1)
+        """Drafts this row may ask for (a tree: its depth): the verify step adds one token, and no more than
+        max_new_tokens are read (positions stay within what ``check_length`` allowed)."""
+        return max(0, min(self.k, seq.cfg.max_new_tokens - len(seq.tokens) - 1))
+
+    def _reads(self, seq: BatchSequence) -> int:
+        """Draft tokens this row's verify step reads at most (a tree's node budget)."""
+        depth = self._requested(seq)
+        return min(depth * self.tree.topk, self.tree.num_nodes) if self.tree is not None and depth else depth
 
     def _finish(self, seq: BatchSequence) -> None:
         seq.done = True
@@ -359,32 +378,42 @@ class BatchDecoder:
         ks = [self._requested(s) for s in rows]
         t0 = time.perf_counter()
         if self.proposer is not None:
-            proposals = self.proposer.propose(keys, ks)
+            if self.tree is not None:
+                proposals = self.proposer.propose_tree(keys, self.tree, ks)
+            else:
+                proposals = self.proposer.propose(keys, ks)
             if len(proposals) != len(rows):
                 raise ValueError(
                     f"{type(self.proposer).__name__}.propose returned {len(proposals)} proposals for {len(rows)} rows"
                 )
-            proposals = [check_proposal(p, k, self.target.vocab_size, self.proposer) for p, k in zip(proposals, ks)]
+            proposals = [self._check(p, k) for p, k in zip(proposals, ks)]
         else:
             proposals = [Proposal.empty() for _ in rows]
         t1 = time.perf_counter()
         inputs = [torch.cat([torch.tensor(s.tokens[-1:]), p.tokens.cpu()]) for s, p in zip(rows, proposals)]
-        step = self.target.forward_batch(inputs, self.cache, final_hidden=self.final_hidden)
-        ns, emitted = [], []
+        trees = [p.parents for p in proposals] if any(p.is_tree for p in proposals) else None
+        step = self.target.forward_batch(inputs, self.cache, final_hidden=self.final_hidden, trees=trees)
+        ns, emitted, kept = [], [], []
         for b, (seq, p) in enumerate(zip(rows, proposals)):
             logits = step.logits[b, : p.tokens.numel() + 1]
-            if seq.processors is not None:  # row i read the context through d_i (core/processors.py)
-                logits = seq.processors.apply(logits, p.tokens.tolist())
-            if seq.cfg.greedy:
-                out, n = verify_greedy(p.tokens, logits)
+            if p.is_tree:
+                out, path = self._verify_tree(seq, p, logits)
+                ns.append(len(path))
+                kept.append([0] + [i + 1 for i in path])
             else:
-                out, n = verify_sampling(p.tokens, p.q, seq.cfg.probs(logits), seq.generator)
-            ns.append(n)
+                if seq.processors is not None:  # row i read the context through d_i (core/processors.py)
+                    logits = seq.processors.apply(logits, p.tokens.tolist())
+                if seq.cfg.greedy:
+                    out, n = verify_greedy(p.tokens, logits)
+                else:
+                    out, n = verify_sampling(p.tokens, p.q, seq.cfg.probs(logits), seq.generator)
+                ns.append(n)
+                kept.append(n + 1 if trees is None else list(range(n + 1)))
             emitted.append(out.cpu())
-        self.cache.commit([n + 1 for n in ns])
+        self.cache.commit(kept)
         t2 = time.perf_counter()
         if self.proposer is not None:
-            self.proposer.accept(keys, ns, emitted, step)
+            self.proposer.accept(keys, ns, emitted, step if trees is None else step.gather(kept))
         t3 = time.perf_counter()
         ended = []
         for seq, p, n, out in zip(rows, proposals, ns, emitted):
@@ -405,6 +434,31 @@ class BatchDecoder:
                 ended.append(seq)
         return ended
 
+    def _check(self, proposal: Proposal, requested: int) -> Proposal:
+        """``check_proposal``, and for a tree: at most the shape's nodes, at most ``requested`` deep."""
+        if self.tree is None or not proposal.is_tree:
+            return check_proposal(proposal, requested, self.target.vocab_size, self.proposer)
+        check_proposal(proposal, self.tree.num_nodes, self.target.vocab_size, self.proposer)
+        depth = int(depths(proposal.parents).max()) if proposal.tokens.numel() else 0
+        if depth > requested:
+            raise ValueError(
+                f"{self.proposer.name}.propose_tree returned a tree {depth} deep; this row allows {requested}"
+            )
+        return proposal
+
+    @staticmethod
+    def _verify_tree(seq: BatchSequence, p: Proposal, logits: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """Walk row ``seq``'s tree ``p`` over its verify logits ``[N + 1, V]``: (emitted, accepted path)."""
+        if seq.processors is not None:  # node i read the context through its own path (core/processors.py)
+            rows = [seq.processors.apply(logits[0])]
+            for i in range(p.tokens.numel()):
+                path = path_tokens(p.tokens, p.parents, i)
+                rows.append(seq.processors.apply(logits[i + 1], path, first=len(path)))
+            logits = torch.stack(rows)
+        if seq.cfg.greedy:
+            return verify_tree_greedy(p.tokens, p.parents, logits)
+        return verify_tree_sampling(p.tokens, p.parents, seq.cfg.probs(logits), seq.generator)
+
 
 def generate_batch(
     target: TargetModel,
@@ -416,12 +470,14 @@ def generate_batch(
     samplings: Sequence[Sampling] | None = None,
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
+    tree: TreeShape | None = None,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` together (at most ``max_num_seqs`` at once); results in prompt order.
 
     Args:
         prompts: ``[T_i]`` token ids each. cfgs: one ``GenerationConfig`` for all, or one per prompt.
         samplings: the drafter's ``Sampling`` per prompt (default: each cfg's, seeded ``draft_seed(cfg.seed)``).
+        tree: draft trees of this shape instead of chains (``BatchDecoder``).
 
     Raises:
         ValueError: as ``BatchDecoder``; or the first error a row's decoding raised (none here: no callbacks).
@@ -430,7 +486,7 @@ def generate_batch(
     if len(cfgs) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(cfgs)} generation configs")
     decoder = BatchDecoder(
-        target, proposer, k, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens
+        target, proposer, k, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, tree=tree
     )
     seqs = [
         decoder.add(BatchSequence(p, c, samplings[i] if samplings is not None else None))

@@ -27,8 +27,12 @@ back per row and are refused.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
+
+from draftsmith.core.tree import ancestor_mask, tree_positions
 
 
 class _SlotLayer(DynamicLayer):
@@ -285,39 +289,66 @@ class BatchKVCache:
         self.slot_pos = torch.cat([self.slot_pos, torch.zeros(b, extra, dtype=torch.long)], dim=1)
 
     # -- a forward over new tokens ----------------------------------------------------------------------
-    def begin(self, counts: list[int]) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
+    def begin(
+        self, counts: list[int], trees: "Sequence[torch.Tensor | None] | None" = None
+    ) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
         """Prepare a forward that reads ``counts[b]`` (>= 1) new tokens of row b, padded to T = max(counts).
+
+        ``trees[b]`` (optional): row b's new tokens are [root, N tree nodes] with node i following node
+        ``trees[b][i]`` (``core.tree``; -1 the root, counts[b] = N + 1): they read at positions
+        ``lengths[b] + depth`` and attend to the row's cache, their ancestors and themselves
+        (``core.tree.ancestor_mask``) instead of every earlier new token.
 
         Returns:
             ``(position_ids [B, T], attention_mask)``: the mask is None when no row has a hole and every row
-            reads T tokens (transformers builds the causal mask itself, as for one sequence); else a 4D mask
-            ``[B, 1, T, S+T]`` (bool: True attends), or a dict of them by layer type when the model mixes full
-            and sliding-window layers. The new slots are marked valid (``commit`` then rolls back what is not kept).
+            reads T tokens in a chain (transformers builds the causal mask itself, as for one sequence); else a
+            4D mask ``[B, 1, T, S+T]`` (bool: True attends), or a dict of them by layer type when the model mixes
+            full and sliding-window layers. The new slots are marked valid (``commit`` then rolls back what is
+            not kept).
 
         Raises:
-            ValueError: ``counts`` does not have one entry >= 1 per row.
+            ValueError: ``counts`` does not have one entry >= 1 per row, or a tree of another size than its count.
         """
         if len(counts) != self.batch_size or min(counts, default=1) < 1:
             raise ValueError(f"need one count >= 1 per row ({self.batch_size} rows), got {counts}")
+        trees = list(trees) if trees is not None else [None] * self.batch_size
+        if len(trees) != self.batch_size:
+            raise ValueError(f"need one tree (or None) per row ({self.batch_size} rows), got {len(trees)}")
         b, t, s = self.batch_size, max(counts), self.slots
         lengths = torch.tensor(self.lengths, dtype=torch.long)
         positions = lengths[:, None] + torch.arange(t)[None]  # [B, T]
+        blocks = None
+        if any(tree is not None for tree in trees):
+            blocks = torch.ones(t, t, dtype=torch.bool).tril().repeat(b, 1, 1)  # [B, T, T] new-token attention
+            for row, tree in enumerate(trees):
+                if tree is None:
+                    continue
+                n = tree.numel() + 1
+                if n != counts[row]:
+                    raise ValueError(f"row {row}: a tree of {n - 1} nodes reads {n} tokens, not {counts[row]}")
+                positions[row, :n] = tree_positions(tree, self.lengths[row])
+                blocks[row, :n, :n] = ancestor_mask(tree)
         ragged = min(counts) != t
-        need_mask = self.has_holes() or ragged or any(w is not None for w in self.windows)
-        mask = self._mask(positions) if need_mask else None
+        need_mask = self.has_holes() or ragged or blocks is not None or any(w is not None for w in self.windows)
+        mask = self._mask(positions, blocks) if need_mask else None
         self.valid = torch.cat([self.valid, torch.ones(b, t, dtype=torch.bool)], dim=1)
         self.slot_pos = torch.cat([self.slot_pos, positions], dim=1)
         self._pending = (s, list(counts))
         return positions, mask
 
-    def _mask(self, positions: torch.Tensor):
+    def _mask(self, positions: torch.Tensor, blocks: torch.Tensor | None = None):
+        """The attention mask of a forward at ``positions`` [B, T]; ``blocks`` [B, T, T]: which new tokens each
+        new token reads (default causal)."""
         b, t = positions.shape
         s = self.slots
         new_valid = torch.ones(b, t, dtype=torch.bool)
         key_valid = torch.cat([self.valid, new_valid], dim=1)  # [B, S+T]
         key_pos = torch.cat([self.slot_pos, positions], dim=1)  # [B, S+T]
-        causal = torch.ones(t, s + t, dtype=torch.bool).tril(diagonal=s)  # query i reads slots <= s+i
-        base = key_valid[:, None, :] & causal[None]  # [B, T, S+T]
+        if blocks is None:
+            causal = torch.ones(t, s + t, dtype=torch.bool).tril(diagonal=s)[None]  # query i reads slots <= s+i
+        else:
+            causal = torch.cat([torch.ones(b, t, s, dtype=torch.bool), blocks], dim=2)  # [B, T, S+T]
+        base = key_valid[:, None, :] & causal  # [B, T, S+T]
         masks = {}
         for window in sorted(set(self.windows), key=lambda w: -1 if w is None else w):
             m = base
@@ -330,20 +361,33 @@ class BatchKVCache:
         sliding = next(m for w, m in masks.items() if w is not None)
         return {"full_attention": full if full is not None else sliding, "sliding_attention": sliding}
 
-    def commit(self, kept: list[int]) -> None:
+    def commit(self, kept: "list[int | Sequence[int]]") -> None:
         """After the forward prepared by ``begin``: row b keeps its first ``kept[b]`` (1..counts[b]) new tokens,
-        the rest (rejected drafts, padding) are rolled back; then ``trim``.
+        or, when ``kept[b]`` is a list, the new tokens at those indices (ascending, starting at 0: a tree's root
+        and its accepted path, whose positions are consecutive); the rest (rejected drafts, padding) are rolled
+        back; then ``trim``.
 
         Raises:
-            ValueError: no forward is pending, or a count outside 1..counts[b]."""
+            ValueError: no forward is pending, or a count / index list outside 1..counts[b]."""
         if self._pending is None:
             raise ValueError("commit() without a pending forward (call begin() first)")
         start, counts = self._pending
-        if len(kept) != len(counts) or any(not 1 <= n <= c for n, c in zip(kept, counts)):
+        if len(kept) != len(counts):
             raise ValueError(f"rows read {counts} new tokens; cannot keep {kept}")
-        for row, n in enumerate(kept):
-            self.valid[row, start + n :] = False
-            self.lengths[row] += n
+        for row, (n, c) in enumerate(zip(kept, counts)):
+            if isinstance(n, int):
+                if not 1 <= n <= c:
+                    raise ValueError(f"rows read {counts} new tokens; cannot keep {kept}")
+                self.valid[row, start + n :] = False
+                self.lengths[row] += n
+                continue
+            index = [int(i) for i in n]
+            if not index or index[0] != 0 or index != sorted(set(index)) or index[-1] >= c:
+                raise ValueError(f"row {row} read {c} new tokens; cannot keep indices {index} (ascending, from 0)")
+            keep = torch.zeros(self.slots - start, dtype=torch.bool)
+            keep[index] = True
+            self.valid[row, start:] &= keep
+            self.lengths[row] += len(index)
         self._pending = None
         self.trim()
 

@@ -30,6 +30,7 @@ from draftsmith.core.sequence import (  # noqa: F401 - re-exported: the runtime'
     as_prompt,
 )
 from draftsmith.core.target import TargetModel
+from draftsmith.core.tree import TreeShape
 
 
 def generate_plain(
@@ -60,6 +61,7 @@ def generate_speculative(
     k: int,
     on_tokens: Callable[[list[int]], None] | None = None,
     on_step: Callable[[VerifyStep], None] | None = None,
+    tree: TreeShape | None = None,
 ) -> GenerationResult:
     """Speculative decoding: the proposer drafts up to k tokens, one target forward verifies them.
 
@@ -83,6 +85,8 @@ def generate_speculative(
         on_step: the observer hook, called with a :class:`VerifyStep` after each verify step, before that
             step's tokens reach ``on_tokens`` (so its counts survive a stop raised there): how the engine
             counts spec-decode metrics, eval times the drafter and the referee records every step.
+        tree: draft a tree of this shape per step instead of a chain of k (``Proposer.propose_tree``, verified
+            by ``core.tree``); k is then ignored and the counters run over ``tree.num_steps`` depths.
 
     Returns:
         ``GenerationResult`` with ``SpecStats`` over k positions.
@@ -92,14 +96,17 @@ def generate_speculative(
             limit, a proposer needing aux states with a target that has no ``aux_layer_ids``, or a proposal
             breaking the ``Proposer`` contract.
     """
-    return _decode_one(target, PerSequence.of(proposer), prompt_ids, cfg, k, on_tokens, on_step)
+    return _decode_one(target, PerSequence.of(proposer), prompt_ids, cfg, k, on_tokens, on_step, tree)
 
 
-def _decode_one(target, proposer, prompt_ids, cfg, k, on_tokens, on_step) -> GenerationResult:
+def _decode_one(target, proposer, prompt_ids, cfg, k, on_tokens, on_step, tree=None) -> GenerationResult:
     """One sequence through the batch decoder, its whole prompt prefilled at once; a callback's exception
     propagates."""
     prompt = as_prompt(prompt_ids)
-    decoder = BatchDecoder(target, proposer, k, max_num_seqs=1, max_num_batched_tokens=prompt.numel() + k + 1)
+    reads = max(k, tree.num_draft_tokens if tree is not None else 0)
+    decoder = BatchDecoder(
+        target, proposer, k, max_num_seqs=1, max_num_batched_tokens=prompt.numel() + reads + 1, tree=tree
+    )
     seq = decoder.add(BatchSequence(prompt, cfg, on_tokens=on_tokens, on_step=on_step))
     decoder.run()
     if seq.error is not None:

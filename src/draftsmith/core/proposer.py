@@ -95,10 +95,19 @@ class Proposal:
         q: ``[k', V]`` float draft probabilities over the TARGET vocabulary, the distributions the
             tokens were sampled from; ``None`` for deterministic proposers (verification then uses
             one-hot q). Greedy drafts (argmax) must also return ``None``: their q is one-hot.
+        parents: ``[N]`` int64 for a TREE proposal (``core.tree``): ``tokens`` are its N nodes and node i follows
+            node ``parents[i]`` (-1: the last emitted token), topological (``parents[i] < i``); trees are
+            deterministic (top-k children), so ``q`` is None. None: a chain (node i follows node i - 1).
     """
 
     tokens: torch.Tensor
     q: torch.Tensor | None = None
+    parents: torch.Tensor | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        """True for a tree proposal (``parents`` given)."""
+        return self.parents is not None
 
     @classmethod
     def empty(cls) -> "Proposal":
@@ -130,7 +139,17 @@ class Proposer(abc.ABC):
     @abc.abstractmethod
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:
         """Learn the verification outcome: ``n_accepted`` drafts kept, ``emitted`` ``[n+1]`` appended to
-        the context; ``target_step`` is the verify forward's ``TargetStep``."""
+        the context; ``target_step`` is the verify forward's ``TargetStep``. After a tree proposal the decode
+        loop passes the rows of the accepted path only (root, then its n nodes), so ``accept`` reads the same
+        layout after a chain and after a tree."""
+
+    def propose_tree(self, shape, max_depth: int) -> Proposal:
+        """Draft a tree (a ``Proposal`` with ``parents``) within ``shape`` (``core.tree.TreeShape``), at most
+        ``max_depth`` deep (``max_depth`` 0: an empty proposal).
+
+        Raises:
+            ValueError: this drafter drafts chains only (the default)."""
+        raise ValueError(f"{type(self).__name__} drafts chains only; serve it without a tree")
 
 
 class BatchProposer(abc.ABC):
@@ -163,6 +182,14 @@ class BatchProposer(abc.ABC):
     def accept(self, keys: Sequence[int], n_accepted: Sequence[int], emitted: Sequence[torch.Tensor], step) -> None:
         """Verification outcome per row: ``n_accepted[b]`` drafts kept, ``emitted[b]`` ``[n+1]`` appended;
         ``step`` is the verify forward's ``BatchTargetStep`` (``step.row(b)``: row b's ``TargetStep``)."""
+
+    def propose_tree(self, keys: Sequence[int], shape, max_depths: Sequence[int]) -> list[Proposal]:
+        """A tree per row within ``shape`` (``core.tree.TreeShape``), row b at most ``max_depths[b]`` deep
+        (``Proposer.propose_tree``); ``accept`` then gets each row's accepted path (``Proposer.accept``).
+
+        Raises:
+            ValueError: this drafter drafts chains only (the default)."""
+        raise ValueError(f"{self.name} drafts chains only; serve it without a tree")
 
     def stop(self, key: int) -> None:
         """Row ``key`` left the batch (finished, stopped, cancelled): drop its state. Default: nothing."""
@@ -217,6 +244,9 @@ class PerSequence(BatchProposer):
 
     def propose(self, keys, ks) -> list[Proposal]:
         return [self.rows[key].propose(k) for key, k in zip(keys, ks)]
+
+    def propose_tree(self, keys, shape, max_depths) -> list[Proposal]:
+        return [self.rows[key].propose_tree(shape, d) for key, d in zip(keys, max_depths)]
 
     def accept(self, keys, n_accepted, emitted, step) -> None:
         for b, key in enumerate(keys):

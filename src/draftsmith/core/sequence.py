@@ -15,6 +15,7 @@ from draftsmith.core.processors import Penalties, SequenceProcessors
 from draftsmith.core.proposer import Proposal, Sampling
 from draftsmith.core.sampling import logits_to_probs, sample
 from draftsmith.core.target import TargetModel
+from draftsmith.core.tree import check_parents
 
 
 @dataclass
@@ -263,6 +264,13 @@ def check_proposal(proposal: Proposal, requested: int, vocab_size: int, proposer
             f"{name}.propose({requested}) must return tokens as int64 [k' <= {requested}], "
             f"got {tokens.dtype} {tuple(tokens.shape)}"
         )
+    if proposal.parents is not None:
+        try:
+            check_parents(proposal.parents, tokens.numel())
+        except ValueError as e:
+            raise ValueError(f"{name}.propose_tree returned a bad tree: {e}") from None
+        if proposal.q is not None:
+            raise ValueError(f"{name}.propose_tree returned q: tree drafts are deterministic (top-k), q must be None")
     if proposal.q is not None and tuple(proposal.q.shape) != (tokens.numel(), vocab_size):
         raise ValueError(
             f"{name}.propose returned q of shape {tuple(proposal.q.shape)}, expected "

@@ -101,6 +101,31 @@ class BatchTargetStep:
     counts: list[int]
     aux_counts: list[int] | None = None
 
+    def gather(self, index: Sequence[Sequence[int]]) -> "BatchTargetStep":
+        """The rows ``index[b]`` of each sequence b (e.g. a tree's root and accepted path), left-aligned and padded
+        to the longest list (padding repeats the row's first entry): what a proposer's ``accept`` reads after a
+        tree step, laid out as after a chain.
+
+        Raises:
+            ValueError: not one non-empty index list per sequence, or an index past its rows."""
+        if len(index) != len(self.counts) or any(not ix for ix in index):
+            raise ValueError(f"need one non-empty index list per sequence ({len(self.counts)}), got {index}")
+        aux_counts = self.aux_counts or self.counts
+        for b, ix in enumerate(index):
+            if max(ix) >= min(self.counts[b], aux_counts[b]):
+                raise ValueError(f"sequence {b} has {self.counts[b]} rows; cannot gather {list(ix)}")
+        t = max(len(ix) for ix in index)
+        grid = torch.tensor([list(ix) + [ix[0]] * (t - len(ix)) for ix in index], dtype=torch.long)  # [B, t]
+
+        def take(x: torch.Tensor | None) -> torch.Tensor | None:
+            if x is None:
+                return None
+            g = grid.to(x.device)
+            return x.gather(1, g[..., None].expand(-1, -1, x.shape[-1]))
+
+        counts = [len(ix) for ix in index]
+        return BatchTargetStep(take(self.logits), take(self.aux_hidden), take(self.final_hidden), counts)
+
     def row(self, b: int) -> TargetStep:
         """Row b as a one-sequence ``TargetStep`` (views: ``counts[b]`` rows, aux ``aux_counts[b]``)."""
         n = self.counts[b]
@@ -195,6 +220,7 @@ class TargetModel:
         cache: BatchKVCache,
         final_hidden: bool = False,
         last_only: bool = False,
+        trees: Sequence[torch.Tensor | None] | None = None,
     ) -> BatchTargetStep:
         """Read ``input_ids[b]`` (``[T_b]`` int64, T_b >= 1) after row b of ``cache``; ONE forward for the batch.
 
@@ -205,6 +231,10 @@ class TargetModel:
         ``last_only`` (a prefill): the output embedding runs on each row's last new token only (transformers'
         ``logits_to_keep``): logits and final_hidden then have ONE row per sequence (``counts`` all 1 in the
         result); aux_hidden keeps every row.
+
+        ``trees[b]`` (a verify step over draft trees): row b reads [root, N nodes] of the tree whose parents are
+        ``trees[b]`` (``core.tree``), each node at position ``lengths[b] + depth`` attending to its ancestors only
+        (``BatchKVCache.begin``); None: a chain.
 
         Returns:
             ``BatchTargetStep`` (logits ``[B, T, V]`` float32, aux ``[B, T, 3H]`` / final ``[B, T, H]`` or None).
@@ -221,7 +251,7 @@ class TargetModel:
         ids = torch.zeros(len(rows), t, dtype=torch.long)
         for b, x in enumerate(rows):
             ids[b, : x.numel()] = x.cpu()
-        positions, mask = cache.begin(counts)
+        positions, mask = cache.begin(counts, trees)
         if mask is not None and self.model.config._attn_implementation not in ("sdpa", "flex_attention"):
             mask = _additive(mask, next(self.model.parameters()).dtype)
         if isinstance(mask, torch.Tensor):

@@ -63,6 +63,8 @@ class SpeculativeRules:
             by name or folder, a draftsmith export included).
         options: further keys the drafter takes, with their defaults (None: computed by ``fill``).
         fill: ``fill(options) -> options`` completes and checks them (ValueError naming the key).
+        drafts_trees: whether its proposers draft trees (``Proposer.propose_tree``): a ``tree`` key is refused
+            otherwise.
     """
 
     needs_model: bool = True
@@ -70,3 +72,4 @@ class SpeculativeRules:
     model_kind: str = "export"
     options: dict[str, Any] = field(default_factory=dict)
     fill: Callable[[dict], dict] | None = None
+    drafts_trees: bool = False

@@ -3,11 +3,12 @@
     spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
     spec.method, spec.num_speculative_tokens, spec.options       # 'ngram', 4, {'prompt_lookup_min': 1, ...}
 
-Keys (``vllm/config/speculative.py``): ``method``, ``model``, ``num_speculative_tokens``, and the keys the
-method's own rules take (``drafters/<name>/config.py`` ``RULES``; e.g. ngram's ``prompt_lookup_min`` /
-``prompt_lookup_max``). Any other key is refused, naming the keys that method accepts. When ``method`` is
-omitted it is inferred from ``model`` as vLLM does: the ``head_type`` of an exported directory's
-``draftsmith.json``, else a plain causal LM (the draft-model method).
+Keys (``vllm/config/speculative.py``): ``method``, ``model``, ``num_speculative_tokens``, draftsmith's ``tree``
+(an EAGLE-2 draft tree, SGLang's ``topk`` / ``num_steps`` / ``num_draft_tokens``: ``core.tree.TreeShape``; its
+``num_steps`` is then k), and the keys the method's own rules take (``drafters/<name>/config.py`` ``RULES``;
+e.g. ngram's ``prompt_lookup_min`` / ``prompt_lookup_max``). Any other key is refused, naming the keys that
+method accepts. When ``method`` is omitted it is inferred from ``model`` as vLLM does: the ``head_type`` of an
+exported directory's ``draftsmith.json``, else a plain causal LM (the draft-model method).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from draftsmith import drafters
+from draftsmith.core.tree_shape import TreeShape
 from draftsmith.sources import check_head_dir, check_model_source, is_head_dir
 
 METADATA_FILE = "draftsmith.json"  # marks an exported drafter directory (export.metadata.METADATA_FILE)
 PLAIN_LM = "draft_model"  # what a model directory without draftsmith.json is drafted with
 LEGACY_HEAD_TYPE = "eagle3"  # draftsmith.json written before head_type existed: an EAGLE-3 head
-GENERIC_KEYS = ("method", "model", "num_speculative_tokens")
+GENERIC_KEYS = ("method", "model", "num_speculative_tokens", "tree")
 
 
 def recorded_head_type(path: str | Path) -> str | None:
@@ -49,15 +51,20 @@ class SpeculativeConfig:
             None for drafters without a model (n-gram lookup).
         num_speculative_tokens: k, drafted tokens per verify step (>= 1; required).
         options: the method's further keys, completed with their defaults (its ``RULES.options``).
+        tree: draft trees of this shape instead of chains (``core.tree.TreeShape``, or its dict / string), for a
+            method whose rules say it drafts trees; ``num_speculative_tokens`` then defaults to (and must equal)
+            its ``num_steps``.
 
     Raises:
-        ValueError: a missing or invalid value, a key the method does not take, an unknown method.
+        ValueError: a missing or invalid value, a key the method does not take, an unknown method, a tree for a
+            method that drafts chains only.
     """
 
     method: str
     model: str | None = None
     num_speculative_tokens: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    tree: Any = None
 
     def __post_init__(self):
         drafters.check_name(self.method, "speculative config: method")
@@ -72,6 +79,21 @@ class SpeculativeConfig:
                 f"speculative config: unknown key(s) {', '.join(map(repr, unknown))} for method "
                 f"{self.method!r}{elsewhere}; it takes {', '.join(GENERIC_KEYS + tuple(rules.options))}"
             )
+        self.tree = TreeShape.parse(self.tree)
+        if self.tree is not None:
+            if not rules.drafts_trees:
+                tree_methods = [n for n in drafters.names() if drafters.config_module(n).RULES.drafts_trees]
+                raise ValueError(
+                    f"speculative config: method {self.method!r} drafts chains only; drop 'tree' or use "
+                    f"{' or '.join(tree_methods)}"
+                )
+            if self.num_speculative_tokens is None:
+                self.num_speculative_tokens = self.tree.num_steps
+            elif self.num_speculative_tokens != self.tree.num_steps:
+                raise ValueError(
+                    f"speculative config: num_speculative_tokens ({self.num_speculative_tokens}) must equal the "
+                    f"tree's num_steps ({self.tree.num_steps}), its depth; omit one of them"
+                )
         k = self.num_speculative_tokens
         if k is None:
             raise ValueError(
@@ -98,11 +120,12 @@ class SpeculativeConfig:
         method = data.pop("method", None)
         model = data.pop("model", None)
         k = data.pop("num_speculative_tokens", None)
+        tree = data.pop("tree", None)
         if method is None:
             if model is None:
                 raise ValueError(f"speculative config: 'method' is required (one of {', '.join(drafters.names())})")
             method = recorded_head_type(model) or PLAIN_LM
-        return cls(method=method, model=model, num_speculative_tokens=k, options=data)
+        return cls(method=method, model=model, num_speculative_tokens=k, options=data, tree=tree)
 
     @classmethod
     def parse(cls, value: "str | Mapping[str, Any] | SpeculativeConfig | None") -> "SpeculativeConfig | None":
@@ -121,11 +144,21 @@ class SpeculativeConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as vLLM's JSON keys (what ``/v1/models`` shows and a vLLM server would take)."""
         out = {"method": self.method, "model": self.model, "num_speculative_tokens": self.num_speculative_tokens}
+        if self.tree is not None:
+            out["tree"] = self.tree.to_dict()
         return {k: v for k, v in {**out, **self.options}.items() if v is not None}
 
     def with_k(self, k: int) -> "SpeculativeConfig":
-        """The same drafter at another ``num_speculative_tokens``."""
+        """The same drafter at another ``num_speculative_tokens``; a tree keeps its own depth (``num_steps``)."""
+        if self.tree is not None:
+            return self
         return SpeculativeConfig(self.method, self.model, k, dict(self.options))
+
+    def with_tree(self, tree) -> "SpeculativeConfig":
+        """The same drafter drafting trees of shape ``tree`` (a ``TreeShape``, dict or string; None: chains)."""
+        shape = TreeShape.parse(tree)
+        k = shape.num_steps if shape is not None else self.num_speculative_tokens
+        return SpeculativeConfig(self.method, self.model, k, dict(self.options), shape)
 
 
 def _model_methods() -> list[str]:

@@ -33,6 +33,7 @@ from draftsmith.core.generate import GenerationConfig, SpecStats, VerifyStep, ge
 from draftsmith.core.proposer import BatchProposer, PerSequence, Proposer
 from draftsmith.core.stops import stop_token_ids
 from draftsmith.core.target import TargetModel
+from draftsmith.core.tree import TreeShape
 from draftsmith.data_pipeline.chat import prompt_ids
 from draftsmith.evaluation.config import EvalConfig
 
@@ -41,12 +42,14 @@ from draftsmith.evaluation.config import EvalConfig
 class EvalRow:
     """One row of the table: a factory of fresh greedy proposers, the k it drafts per step, and the target
     wrapper exposing the hidden states that drafter reads (``serve.engine.Engine`` builds all three);
-    ``make_batch_proposer`` makes the batched proposer (default: ``PerSequence`` over ``make_proposer``)."""
+    ``make_batch_proposer`` makes the batched proposer (default: ``PerSequence`` over ``make_proposer``);
+    ``tree``: the draft tree's shape when the row drafts trees (k is then its depth)."""
 
     make_proposer: Callable[[], Proposer]
     k: int
     target: TargetModel
     make_batch_proposer: Callable[[], BatchProposer] | None = None
+    tree: TreeShape | None = None
 
     def batch_proposer(self) -> BatchProposer:
         """A fresh batched proposer for this row."""
@@ -132,6 +135,7 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
         "config": {
             "k": max(ks.values(), default=0),
             "ks": ks,
+            "trees": {label: str(row.tree) for label, row in rows.items() if row.tree is not None},
             "max_new_tokens": cfg.max_new_tokens,
             "methods": list(rows),
         },
@@ -159,7 +163,9 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
                     r.draft_seconds += step.draft_s
 
                 t0 = time.perf_counter()
-                out = generate_speculative(row.target, row.make_proposer(), ids, gen, row.k, on_step=on_step)
+                out = generate_speculative(
+                    row.target, row.make_proposer(), ids, gen, row.k, on_step=on_step, tree=row.tree
+                )
                 r.seconds += time.perf_counter() - t0
                 r.new_tokens += len(out.tokens)
                 r.stats = r.stats.merge(out.stats)
@@ -195,7 +201,7 @@ def _evaluate_batched(
         r = results[label]
         proposer = TimedProposer(row.batch_proposer())
         t0 = time.perf_counter()
-        outs = generate_batch(row.target, proposer, prompts, gen, row.k, max_num_seqs=cfg.batch_size)
+        outs = generate_batch(row.target, proposer, prompts, gen, row.k, max_num_seqs=cfg.batch_size, tree=row.tree)
         r.seconds += time.perf_counter() - t0
         r.draft_seconds += proposer.seconds
         for out, ref in zip(outs, plain):

@@ -26,6 +26,7 @@ from draftsmith import drafters, reference
 from draftsmith.config import from_dict, to_dict
 from draftsmith.core.aux_layers import default_aux_layer_ids
 from draftsmith.core.generate import GenerationConfig
+from draftsmith.core.tree_shape import TreeShape
 from draftsmith.data_pipeline.dataset import render_dataset
 from draftsmith.data_pipeline.prepare import PreparedData, load_prepared, prepare
 from draftsmith.data_pipeline.shards import ShardReader, write_shards
@@ -262,7 +263,11 @@ def attach_eval(head_dir: Path, eval_dir: Path) -> None:
 
 
 def eval_rows(
-    recipe: Recipe, head_dir: Path | None, labels: list[str] | None = None, k: int | None = None
+    recipe: Recipe,
+    head_dir: Path | None,
+    labels: list[str] | None = None,
+    k: int | None = None,
+    tree: TreeShape | None = None,
 ) -> dict[str, SpeculativeConfig]:
     """Row label -> speculative config of every drafter to evaluate.
 
@@ -270,7 +275,9 @@ def eval_rows(
     its export, or for drafters without a model; then each ``eval.drafters`` entry (k defaults to the recipe
     drafter's, so rows compare at the same k). ``labels`` keeps those rows, in that order; a label that is no
     row but a registered drafter name gets that drafter's default row (the head's when ``head_dir`` is its
-    export, else ``Drafter.default_model``). ``k`` overrides every row's k.
+    export, else ``Drafter.default_model``). ``k`` overrides every chain row's k. ``tree``: each row whose drafter
+    drafts trees gets a twin labelled ``LABEL+tree`` drafting trees of that shape, right after it (chain and tree
+    side by side).
 
     Raises ValueError for an eval.drafters label named like another row or ``plain``, a label with no row, or
     a drafter that needs a model none names."""
@@ -320,6 +327,13 @@ def eval_rows(
             spec.pop(key)
         config = SpeculativeConfig.from_dict(spec)
         out[label] = config.with_k(k) if k is not None else config
+        if tree is not None and drafters.config_module(config.method).RULES.drafts_trees and config.tree is None:
+            out[f"{label}+tree"] = config.with_tree(tree)
+    if tree is not None and not any(spec.tree is not None for spec in out.values()):
+        tree_methods = [n for n in drafters.names() if drafters.config_module(n).RULES.drafts_trees]
+        raise ValueError(
+            f"--tree: no eval row drafts trees ({', '.join(out) or 'none'}); add a row of {' or '.join(tree_methods)}"
+        )
     return out
 
 
@@ -336,6 +350,7 @@ def build_eval_rows(specs: dict[str, SpeculativeConfig], target, tokenizer, allo
             engine.k,
             engine.target,
             make_batch_proposer=engine.drafter.new_batch_proposer,
+            tree=engine.spec.tree,
         )
     return rows
 
@@ -348,6 +363,7 @@ def run_eval(
     allow_mismatch=(),
     labels: list[str] | None = None,
     k: int | None = None,
+    tree: TreeShape | None = None,
 ) -> dict:
     """Stage 5: acceptance and speed of every row (``eval_rows``) on the held-out tasks; writes report, table and
     plot under ``RUN/eval``.
@@ -356,7 +372,7 @@ def run_eval(
     every override and both of its values, is kept in the report as ``head_check``."""
     if target is None:
         target, tokenizer = load_target(recipe.target)
-    specs = eval_rows(recipe, head_dir, labels, k)
+    specs = eval_rows(recipe, head_dir, labels, k, tree)
     head_check = None
     if head_dir is not None and recorded_head_type(head_dir) is not None:
         head_check = check_export(

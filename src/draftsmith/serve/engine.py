@@ -152,6 +152,7 @@ class Engine:
             self.k,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
+            tree=self.spec.tree if self.spec is not None else None,
         )
         self.scheduler = Scheduler(
             decoder, self.metrics, max_waiting=max_waiting, kv_capacity=max_num_seqs * self.max_model_len
