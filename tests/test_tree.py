@@ -241,7 +241,7 @@ TREE = TreeShape(topk=3, num_steps=4, num_draft_tokens=14)
 
 
 def _tiny(arch: str):
-    return make_tiny_llama(seed=5, num_hidden_layers=3, arch=arch), make_word_tokenizer(96)
+    return make_tiny_llama(seed=5, num_hidden_layers=8, arch=arch), make_word_tokenizer(96)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
@@ -290,13 +290,25 @@ def test_batched_oracle_trees_equal_each_sequence_alone(arch):
     assert sum(s.stats.num_accepted_tokens for s in seqs) > 0
 
 
-def _eagle3_engine(model, tok, workdir, tree):
-    spec = drafters.get("eagle3").example(model, tok, workdir)
+TREE_DRAFTERS = [n for n in drafters.names() if drafters.config_module(n).RULES.drafts_trees]
+
+
+def _tree_engine(model, tok, workdir, tree, name="eagle3"):
+    spec = drafters.get(name).example(model, tok, workdir)
     return Engine(model, tok, spec.with_tree(tree))
 
 
+def _eagle3_engine(model, tok, workdir, tree):
+    return _tree_engine(model, tok, workdir, tree)
+
+
+def test_tree_drafters_are_eagle3_and_dflash():
+    assert set(TREE_DRAFTERS) == {"eagle3", "dflash"}
+
+
+@pytest.mark.parametrize("name", TREE_DRAFTERS)
 @pytest.mark.parametrize("which", ["tiny", "reference"])
-def test_eagle3_tree_greedy_equals_plain_and_batched_equals_alone(tmp_path, which):
+def test_tree_greedy_equals_plain_and_batched_equals_alone(tmp_path, which, name):
     if which == "tiny":
         model, tok = _tiny("llama")
         prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [20, 21, 22, 20, 21, 22, 23]]
@@ -307,7 +319,7 @@ def test_eagle3_tree_greedy_equals_plain_and_batched_equals_alone(tmp_path, whic
         records = reference.tasks(["code-complete", "docstring"], limit=1)
         prompts = [prompt_ids(tok, r[0]["messages"]).tolist() for r in records.values()]
     tree = TreeShape(topk=3, num_steps=3, num_draft_tokens=10)
-    engine = _eagle3_engine(model, tok, tmp_path, tree)
+    engine = _tree_engine(model, tok, tmp_path, tree, name)
     cfgs = [GenerationConfig(max_new_tokens=n, eos_token_ids=engine.eos_token_ids) for n in (20, 12)]
     plains = [generate_plain(TargetModel(model, tok), p, c).tokens for p, c in zip(prompts, cfgs)]
     alone = [engine.generate(p, c) for p, c in zip(prompts, cfgs)]
@@ -413,15 +425,16 @@ def test_eagle2_tree_equals_the_brute_force_expansion(tmp_path):
 # ------------------------------------------------------------------------------ sampling through the runtime
 
 
+@pytest.mark.parametrize("name", TREE_DRAFTERS)
 @pytest.mark.parametrize(("batch_size", "temperature"), [(1, 0.5), (1, 1.0), (4, 1.0)])
-def test_eagle3_tree_sampling_is_lossless(tmp_path, batch_size, temperature):
-    """T = 0.5 and 1 on the stub target with an EAGLE-3 head drafting trees: every adjacent pair follows the exact law
-    and plain sampling, with nodes accepted and rejected."""
+def test_tree_sampling_is_lossless(tmp_path, batch_size, temperature, name):
+    """T = 0.5 and 1 on the stub target with every tree drafter drafting trees: every adjacent pair follows the
+    exact law and plain sampling, with nodes accepted and rejected."""
     import lossless
 
     model, tok = lossless.TrigramLM(lossless.TARGET_TABLE), lossless.word_tokenizer()
     tree = TreeShape(topk=2, num_steps=3, num_draft_tokens=6)
-    engine = _eagle3_engine(model, tok, tmp_path, tree)
+    engine = _tree_engine(model, tok, tmp_path, tree, name)
     settings = {"temperature": temperature}
     trials = 1500
     plain, _ = lossless.run_trials(TargetModel(model), None, settings, trials=trials)
@@ -442,6 +455,34 @@ def test_eagle3_tree_sampling_is_lossless(tmp_path, batch_size, temperature):
     lossless.check_lossless(seqs, plain, settings)
 
 
+def test_best_first_tree_holds_the_best_paths_of_the_marginals():
+    """DDTree's best-first tree equals the brute-force top-N of every rank path (scores summed per position)."""
+    import itertools
+
+    from draftsmith.core.tree import best_first_tree, path_ranks
+
+    logprobs = torch.log_softmax(torch.randn(4, 11, generator=torch.Generator().manual_seed(1)), dim=-1)
+    shape = TreeShape(topk=3, num_steps=4, num_draft_tokens=21)
+    tokens, parents = best_first_tree(logprobs, shape)
+    top_lp, top_ids = logprobs.topk(3, dim=-1)
+    paths = [p for d in range(1, 5) for p in itertools.product(range(3), repeat=d)]
+    score = {p: sum(float(top_lp[i, r]) for i, r in enumerate(p)) for p in paths}
+    want = sorted(paths, key=lambda p: -score[p])[: shape.num_nodes]
+    got = [path_ranks(parents, _path(parents, i)) for i in range(tokens.numel())]
+    assert sorted(got) == sorted(want)
+    for i, ranks in enumerate(got):
+        assert int(tokens[i]) == int(top_ids[len(ranks) - 1, ranks[-1]])
+    assert depths(parents).max() <= 4 and tokens.numel() == shape.num_nodes
+
+
+def _path(parents: torch.Tensor, node: int) -> list[int]:
+    out = []
+    while node >= 0:
+        out.append(node)
+        node = int(parents[node])
+    return out[::-1]
+
+
 def test_chain_drafters_refuse_a_tree_clearly():
     model, tok = _tiny("llama")
     target = TargetModel(model, tok)
@@ -455,3 +496,68 @@ def test_chain_drafters_refuse_a_tree_clearly():
             3,
             tree=TREE,
         )
+
+
+# ------------------------------------------------------------------------------ counters and static trees
+
+
+def test_tree_counters_and_the_best_static_tree():
+    from draftsmith.core.generate import SpecStats
+    from draftsmith.core.tree import best_static_tree, path_ranks, static_tree_tau
+
+    assert path_ranks(PARENTS, [0, 3, 6]) == (0, 0, 0) and path_ranks(PARENTS, [2, 5]) == (2, 0)
+    assert path_ranks(PARENTS, [0, 4]) == (0, 1) and path_ranks(PARENTS, []) == ()
+    stats = SpecStats(k=3)
+    for ranks in [(0, 0, 0), (0, 1), (1,), (0, 0), ()]:
+        stats.record_tree(7, ranks)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (5, 35, 8)
+    assert stats.accepted_per_pos == [4, 3, 1] and stats.accepted_paths[(0,)] == 3
+    merged = stats.merge(stats)
+    assert merged.accepted_paths[(0, 0)] == 4 and merged.num_accepted_tokens == 16
+    tree = best_static_tree(stats.accepted_paths, 3)
+    assert tree == [(0,), (1,), (0, 0)]  # breadth-first; (0, 1) and (1,) tie at 1: the shorter is kept
+    assert static_tree_tau(stats.accepted_paths, tree, stats.num_drafts) == pytest.approx(1 + (3 + 1 + 2) / 5)
+    whole = best_static_tree(stats.accepted_paths, 10)
+    assert static_tree_tau(stats.accepted_paths, whole, 5) == pytest.approx(stats.acceptance_length)
+
+
+def test_eval_puts_the_tree_beside_the_chain_and_the_card_serves_it(tmp_path):
+    """``eval --tree``: each tree-drafting row gets a ``+tree`` twin, decoded greedy-exact, one prompt at a time and
+    in batches alike; the report carries the best static tree; the exported card gives the draftsmith, SGLang and
+    vLLM static-tree commands."""
+    from draftsmith.drafters.directory import write_card
+    from draftsmith.evaluation.heldout import format_table
+    from draftsmith.export.metadata import update_metadata
+    from draftsmith.pipeline.stages import eval_rows, eval_summary, run_eval
+    from test_eval import recipe_with
+
+    model, tok = reference.target()
+    spec = drafters.get("eagle3").example(model, tok, tmp_path / "head")
+    head = spec.model
+    tree = TreeShape(3, 3, 10)
+    recipe = recipe_with(tmp_path, "drafter.num_speculative_tokens=3", "eval.drafters={}")
+    assert list(eval_rows(recipe, head, tree=tree)) == ["eagle3", "eagle3+tree"]
+    with pytest.raises(ValueError, match="no eval row drafts trees"):
+        eval_rows(recipe_with(tmp_path, "drafter.method=ngram"), None, tree=tree)
+    report = run_eval(recipe, head, model, tok, tree=tree)
+    rows = report["tasks"]["code-complete"]
+    assert report["config"]["trees"] == {"eagle3+tree": str(tree)}
+    assert rows["eagle3+tree"]["greedy_mismatches"] == 0 and rows["eagle3"]["greedy_mismatches"] == 0
+    assert len(rows["eagle3+tree"]["accepted_per_pos"]) == tree.num_steps
+    static = report["static_trees"]["eagle3+tree"]
+    assert static["num_nodes"] <= tree.num_nodes and static["tau_lower_bound"] <= static["dynamic_tau"] + 1e-9
+    assert "eagle3+tree" in format_table(report)
+    batched = run_eval(
+        recipe_with(tmp_path / "b", "drafter.num_speculative_tokens=3", "eval.batch_size=2"),
+        head,
+        model,
+        tok,
+        tree=tree,
+    )
+    for c in ("tau", "accepted_per_pos", "num_drafts", "num_draft_tokens", "new_tokens"):
+        assert batched["tasks"]["code-complete"]["eagle3+tree"][c] == rows["eagle3+tree"][c], c
+    update_metadata(head, eval=eval_summary(report))
+    card = write_card(head, report).read_text()
+    assert "--speculative-eagle-topk 3 --speculative-num-draft-tokens 10" in card
+    assert '"tree": {"topk": 3, "num_steps": 3, "num_draft_tokens": 10}' in card
+    assert "speculative_token_tree" in card

@@ -52,7 +52,14 @@ from draftsmith.core.sequence import (
     next_token,
 )
 from draftsmith.core.target import TargetModel, TargetStep
-from draftsmith.core.tree import TreeShape, depths, path_tokens, verify_tree_greedy, verify_tree_sampling
+from draftsmith.core.tree import (
+    TreeShape,
+    depths,
+    path_ranks,
+    path_tokens,
+    verify_tree_greedy,
+    verify_tree_sampling,
+)
 from draftsmith.core.verify import verify_greedy, verify_sampling
 
 _keys = itertools.count()
@@ -393,12 +400,13 @@ class BatchDecoder:
         inputs = [torch.cat([torch.tensor(s.tokens[-1:]), p.tokens.cpu()]) for s, p in zip(rows, proposals)]
         trees = [p.parents for p in proposals] if any(p.is_tree for p in proposals) else None
         step = self.target.forward_batch(inputs, self.cache, final_hidden=self.final_hidden, trees=trees)
-        ns, emitted, kept = [], [], []
+        ns, emitted, kept, ranks = [], [], [], []
         for b, (seq, p) in enumerate(zip(rows, proposals)):
             logits = step.logits[b, : p.tokens.numel() + 1]
             if p.is_tree:
                 out, path = self._verify_tree(seq, p, logits)
                 ns.append(len(path))
+                ranks.append(path_ranks(p.parents, path))
                 kept.append([0] + [i + 1 for i in path])
             else:
                 if seq.processors is not None:  # row i read the context through d_i (core/processors.py)
@@ -409,6 +417,7 @@ class BatchDecoder:
                     out, n = verify_sampling(p.tokens, p.q, seq.cfg.probs(logits), seq.generator)
                 ns.append(n)
                 kept.append(n + 1 if trees is None else list(range(n + 1)))
+                ranks.append(None)
             emitted.append(out.cpu())
         self.cache.commit(kept)
         t2 = time.perf_counter()
@@ -416,9 +425,11 @@ class BatchDecoder:
             self.proposer.accept(keys, ns, emitted, step if trees is None else step.gather(kept))
         t3 = time.perf_counter()
         ended = []
-        for seq, p, n, out in zip(rows, proposals, ns, emitted):
+        for seq, p, n, out, rank in zip(rows, proposals, ns, emitted, ranks):
             seq.forwards += 1
-            if seq.stats is not None:
+            if seq.stats is not None and rank is not None:
+                seq.stats.record_tree(p.tokens.numel(), rank)
+            elif seq.stats is not None:
                 seq.stats.record(p.tokens.numel(), n)
             if seq.on_step is not None:
                 draft_s = (t1 - t0) + (t3 - t2) + seq.start_s

@@ -110,7 +110,10 @@ class SpecStats:
         num_drafts: verify steps with a non-empty proposal.
         num_draft_tokens: drafted tokens proposed, summed.
         num_accepted_tokens: drafted tokens accepted, summed.
-        accepted_per_pos: ``[k]``; entry i counts drafts whose token i (0-based) was accepted.
+        accepted_per_pos: ``[k]``; entry i counts drafts whose token i (0-based) was accepted (a tree: drafts
+            whose accepted path reached depth i + 1).
+        accepted_paths: trees only: rank path (``core.tree.path_ranks``) -> drafts whose accepted path went
+            through it, every prefix of each accepted path counted (``core.tree.best_static_tree`` reads it).
     """
 
     k: int
@@ -118,6 +121,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    accepted_paths: dict[tuple[int, ...], int] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.accepted_per_pos:
@@ -133,6 +137,15 @@ class SpecStats:
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
 
+    def record_tree(self, num_nodes: int, ranks: tuple[int, ...]) -> None:
+        """Count one tree verify step over ``num_nodes`` nodes whose accepted path has sibling ranks ``ranks``
+        (``core.tree.path_ranks``; its length is the accepted tokens)."""
+        if num_nodes == 0:
+            return
+        self.record(num_nodes, len(ranks))
+        for d in range(1, len(ranks) + 1):
+            self.accepted_paths[ranks[:d]] = self.accepted_paths.get(ranks[:d], 0) + 1
+
     def merge(self, other: "SpecStats") -> "SpecStats":
         """Sum of two runs' counters (per-position lists padded to the longer k)."""
         k = max(self.k, other.k)
@@ -143,6 +156,10 @@ class SpecStats:
             num_draft_tokens=self.num_draft_tokens + other.num_draft_tokens,
             num_accepted_tokens=self.num_accepted_tokens + other.num_accepted_tokens,
             accepted_per_pos=[a + b for a, b in zip(pad(self.accepted_per_pos), pad(other.accepted_per_pos))],
+            accepted_paths={
+                path: self.accepted_paths.get(path, 0) + other.accepted_paths.get(path, 0)
+                for path in {**self.accepted_paths, **other.accepted_paths}
+            },
         )
 
     @property

@@ -18,6 +18,8 @@ reports ``accept_length`` = τ - 1 per step.
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 
 from draftsmith.core.sampling import residual_probs, sample
@@ -162,6 +164,72 @@ def verify_tree_sampling(
             return torch.tensor([toks[c] for c in path] + [last], dtype=torch.long), path
         path.append(nxt)
         node = nxt
+
+
+def best_first_tree(logprobs: torch.Tensor, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree from per-position draft distributions that do not depend on the path (a block drafter's marginals:
+    DFlash), best first, as DDTree builds draft trees over a block drafter's per-position marginals.
+
+    A node is a path of ranks (r_1 .. r_d): token r_d of position d's top-k, scored sum_i logprobs[i, token]; the
+    tree holds the ``shape.num_nodes`` best paths with d <= ``logprobs.shape[0]`` and every r_i < ``shape.topk``.
+    They are popped from a heap: a node's first child (rank 0, one position deeper) and its next sibling (rank + 1)
+    score no higher than it, so both are pushed when it is popped, and the tree comes out topological with
+    siblings in rank order (``path_ranks`` gives the drafter's ranks, as for an EAGLE-2 tree).
+
+    Args:
+        logprobs: ``[D, V]`` log-probabilities of positions 1..D (any float dtype; D >= 1).
+        shape: topk (children per node), num_draft_tokens - 1 (nodes); its num_steps is the caller's cap on D.
+
+    Returns:
+        ``(tokens [N], parents [N])`` int64 on the CPU.
+    """
+    depth = logprobs.shape[0]
+    top_lp, top_ids = logprobs.float().topk(min(shape.topk, logprobs.shape[1]), dim=-1)  # [D, topk]
+    top_lp, top_ids = top_lp.tolist(), top_ids.tolist()
+    heap = [(-top_lp[0][0], 0, 0, -1, 0.0)]  # (-score, tie, rank, parent node, parent score); depth from parent
+    node_depth: list[int] = []
+    tokens: list[int] = []
+    parents: list[int] = []
+    tie = 1
+    while heap and len(tokens) < shape.num_nodes:
+        neg, _, rank, parent, base = heapq.heappop(heap)
+        d = 0 if parent < 0 else node_depth[parent] + 1  # 0-based position of this node
+        node = len(tokens)
+        tokens.append(top_ids[d][rank])
+        parents.append(parent)
+        node_depth.append(d)
+        if rank + 1 < len(top_lp[d]):  # next sibling
+            heapq.heappush(heap, (-(base + top_lp[d][rank + 1]), tie, rank + 1, parent, base))
+            tie += 1
+        if d + 1 < depth:  # first child
+            heapq.heappush(heap, (neg - top_lp[d + 1][0], tie, 0, node, -neg))
+            tie += 1
+    return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
+
+
+def path_ranks(parents: torch.Tensor, path: list[int]) -> tuple[int, ...]:
+    """The accepted ``path``'s sibling index at each depth (node c's index among its parent's children, in index
+    order). In an EAGLE-2 tree a node's siblings are its parent's top-k in rank order, so these are the drafter's
+    ranks: the path as vLLM's ``speculative_token_tree`` names a node (``(0,)`` the top-1 child, ``(0, 1)`` its
+    second child, ...)."""
+    kids = _children(check_parents(parents))
+    return tuple(kids[int(parents[c])].index(c) for c in path)
+
+
+def best_static_tree(accepted_paths: dict[tuple[int, ...], int], num_nodes: int) -> list[tuple[int, ...]]:
+    """The static tree of at most ``num_nodes`` nodes that would have accepted the most tokens on the steps
+    counted in ``accepted_paths`` (rank path -> steps whose accepted path went through it; ``SpecStats``): the
+    ``num_nodes`` most-passed rank paths. A prefix is passed at least as often as its extensions, and ties keep
+    the shorter, so the set is closed under prefixes: a tree. Returned breadth-first, as vLLM's
+    ``speculative_token_tree`` lists its nodes. Only paths a drafted tree contained are counted, so the tree's
+    expected τ (``static_tree_tau``) is a lower bound on what it would accept."""
+    ranked = sorted(accepted_paths, key=lambda path: (-accepted_paths[path], len(path), path))[:num_nodes]
+    return sorted(ranked, key=lambda path: (len(path), path))
+
+
+def static_tree_tau(accepted_paths: dict[tuple[int, ...], int], tree: list[tuple[int, ...]], num_drafts: int) -> float:
+    """τ the static ``tree`` would have had on the counted steps: 1 + (paths passed inside it) / drafts."""
+    return 1.0 + sum(accepted_paths.get(path, 0) for path in tree) / num_drafts if num_drafts else 1.0
 
 
 def tree_positions(parents: torch.Tensor, start: int) -> torch.Tensor:

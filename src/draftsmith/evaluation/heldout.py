@@ -33,7 +33,7 @@ from draftsmith.core.generate import GenerationConfig, SpecStats, VerifyStep, ge
 from draftsmith.core.proposer import BatchProposer, PerSequence, Proposer
 from draftsmith.core.stops import stop_token_ids
 from draftsmith.core.target import TargetModel
-from draftsmith.core.tree import TreeShape
+from draftsmith.core.tree import TreeShape, best_static_tree, static_tree_tau
 from draftsmith.data_pipeline.chat import prompt_ids
 from draftsmith.evaluation.config import EvalConfig
 
@@ -78,6 +78,9 @@ class TimedProposer(BatchProposer):
     def propose(self, *args):
         return self._timed(self.inner.propose, *args)
 
+    def propose_tree(self, *args):
+        return self._timed(self.inner.propose_tree, *args)
+
     def accept(self, *args) -> None:
         self._timed(self.inner.accept, *args)
 
@@ -121,7 +124,10 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
     ``rows`` maps a row label to its ``EvalRow``; generation stops at ``core.stops.stop_token_ids`` (what
     serving stops on) or ``cfg.max_new_tokens``. The time spent in each drafter comes from the decode loop's
     observer hook (``VerifyStep.draft_s``). Report layout: ``{"config", "tasks": {task: {"plain": {...},
-    label: row}}}`` (see ``MethodResult.row``); ``config.k`` is the largest k, ``config.ks`` each row's.
+    label: row}}, "static_trees"}`` (see ``MethodResult.row``); ``config.k`` is the largest k, ``config.ks`` each
+    row's, ``config.trees`` the tree shape of each row drafting trees; such a row also has ``static_tree`` (per
+    task) and ``static_trees[label]`` (over every task): the best static tree its counters imply
+    (``static_tree_record``).
 
     Raises:
         ValueError: before anything runs, when a prompt + ``cfg.max_new_tokens`` exceeds the target's position
@@ -146,6 +152,7 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
     }
     prompts = {task: [prompt_ids(tokenizer, rec["messages"]) for rec in records] for task, records in tasks.items()}
     _check_lengths(tasks, prompts, cfg.max_new_tokens, plain_target.position_limit)
+    totals: dict[str, SpecStats] = {}  # tree rows' counters over every task
     for task, records in tasks.items():
         plain_seconds, plain_tokens = 0.0, 0
         results = {label: MethodResult(SpecStats(k=row.k)) for label, row in rows.items()}
@@ -180,7 +187,25 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
             },
             **{label: r.row(plain_seconds) for label, r in results.items()},
         }
+        for label, row in rows.items():
+            if row.tree is not None:
+                report["tasks"][task][label]["static_tree"] = static_tree_record(results[label].stats, row.tree)
+                totals[label] = totals[label].merge(results[label].stats) if label in totals else results[label].stats
+    report["static_trees"] = {label: static_tree_record(stats, rows[label].tree) for label, stats in totals.items()}
     return report
+
+
+def static_tree_record(stats: SpecStats, tree: TreeShape) -> dict:
+    """The best static tree of ``tree.num_nodes`` nodes for a tree row's counters (``core.tree.best_static_tree``):
+    vLLM's ``speculative_token_tree`` string, its node count and the τ it would have had on these steps (a lower
+    bound: only paths the dynamic tree drafted are counted), beside the dynamic tree's τ."""
+    static = best_static_tree(stats.accepted_paths, tree.num_nodes)
+    return {
+        "speculative_token_tree": str(static),
+        "num_nodes": len(static),
+        "tau_lower_bound": static_tree_tau(stats.accepted_paths, static, stats.num_drafts),
+        "dynamic_tau": stats.acceptance_length,
+    }
 
 
 def _evaluate_batched(

@@ -231,8 +231,10 @@ def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:
 def eval_summary(report: dict) -> dict:
     """The held-out results kept in draftsmith.json ``eval``: k and, per task and row, τ, acceptance rate and
     accepted per position (``evaluation.heldout`` row fields)."""
+    trees = report["config"].get("trees") or {}
     return {
         "k": report["config"]["k"],
+        **({"trees": trees, "static_trees": report.get("static_trees") or {}} if trees else {}),
         "tasks": {
             t: {
                 m: {k: v for k, v in r.items() if k in ("tau", "acceptance_rate", "accepted_per_pos")}

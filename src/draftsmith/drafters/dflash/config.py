@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from draftsmith.drafters.config import DrafterSection, SpeculativeRules
 
-RULES = SpeculativeRules(needs_model=True, model_help="the exported DFlash drafter directory")
+RULES = SpeculativeRules(needs_model=True, model_help="the exported DFlash drafter directory", drafts_trees=True)
 
 #: published decay constants by block size (DFlash paper Eq. 4, SpecForge ``train_dflash.py`` help text)
 PUBLISHED_GAMMA = {8: 4.0, 10: 5.0, 16: 7.0}

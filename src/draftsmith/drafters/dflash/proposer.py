@@ -26,6 +26,7 @@ import torch
 
 from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
 from draftsmith.core.sampling import seeded_generator
+from draftsmith.core.tree import best_first_tree
 from draftsmith.drafters.dflash.head import DFlashHead
 
 
@@ -107,6 +108,22 @@ class DFlashProposer(Proposer):
         q = None if self.sampling.temperature == 0 else torch.stack(qs).float().cpu()
         return Proposal(torch.tensor(tokens, dtype=torch.long), q)
 
+    @torch.inference_mode()
+    def propose_tree(self, shape, max_depth: int) -> Proposal:
+        """A best-first tree (``core.tree.best_first_tree``, DDTree) over the per-position distributions of ONE block
+        forward of depth min(num_steps, max_depth, block_size - 1); the drafts are top-k, q None."""
+        depth = min(shape.num_steps, max_depth, self.head.config.max_k)
+        if depth <= 0:
+            return Proposal.empty()
+        if self.last_token is None or not self.kv:
+            raise RuntimeError("DFlashProposer.propose_tree before start()")
+        ids = torch.full((1, depth + 1), self.head.config.mask_token_id, dtype=torch.long, device=self.device)
+        ids[0, 0] = self.last_token
+        positions = torch.arange(self.length, self.length + depth + 1, device=self.device)[None]
+        logits = self.head.logits(self.head.block(ids, positions, [tuple(e) for e in self.kv])[0, 1:])  # [D, V]
+        tokens, parents = best_first_tree(torch.log_softmax(logits.float(), dim=-1), shape)
+        return Proposal(tokens, parents=parents)
+
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:
         """Verify rows 0..n become context; the next block starts with ``emitted[n]``."""
         self._extend(target_step.aux_hidden, n_accepted + 1, int(emitted[n_accepted]))
@@ -183,6 +200,10 @@ class BatchDFlashProposer(BatchProposer):
             q = None if row.sampling.temperature == 0 else torch.stack(qs).float().cpu()
             out[b] = Proposal(torch.tensor(tokens, dtype=torch.long), q)
         return out
+
+    def propose_tree(self, keys, shape, max_depths) -> list[Proposal]:
+        """A DDTree per row (``DFlashProposer.propose_tree``: one block forward each)."""
+        return [self.rows[key].propose_tree(shape, d) for key, d in zip(keys, max_depths)]
 
     def accept(self, keys, n_accepted, emitted, step) -> None:
         for b, key in enumerate(keys):

