@@ -1,7 +1,9 @@
 """What a draft tree costs: the target's verify forward over n tokens, and the EAGLE-3 head's drafting.
 
 Prints, for each node count n (the verify forward reads n tokens: the root and n - 1 nodes, with ancestor-only
-attention after a C-token context), the median milliseconds of that forward and fwd(n) / fwd(1); then the median
+attention after a C-token context), the median milliseconds of that forward and fwd(n) / fwd(1), next to a chain's
+forward over n tokens (causal, no mask: what a chain verify of k = n - 1 costs on a cache without holes); then the
+median
 milliseconds of drafting a chain of k with the head against drafting each tree shape given. With τ from
 ``draftsmith eval --tree`` these explain a tree's wall-clock speedup: a step costs draft + fwd(n), and emits τ
 tokens on average. Interleaved repetitions, fixed torch threads.
@@ -66,6 +68,7 @@ def main(argv=None) -> int:
     proposer = Eagle3Proposer(head)
     proposer.start(ctx, 5, target.forward(ctx, target.new_cache()))
     verify = {n: [] for n in a.nodes}
+    chain = {n: [] for n in a.nodes}
     draft = {"chain": [], **{str(s): [] for s in shapes}}
     for _ in range(a.repeats):  # interleaved: a noisy neighbour hits every row alike
         for n in a.nodes:
@@ -73,6 +76,11 @@ def main(argv=None) -> int:
             target.forward_batch([tokens[n]], cache, trees=[trees[n]] if n > 1 else None)
             verify[n].append(time.perf_counter() - t0)
             cache.commit([1])  # keep the root only: the context stays C + 1 tokens long
+            cache.truncate(0, a.context)
+            t0 = time.perf_counter()
+            target.forward_batch([tokens[n]], cache)
+            chain[n].append(time.perf_counter() - t0)
+            cache.commit([1])
             cache.truncate(0, a.context)
         t0 = time.perf_counter()
         proposer.propose(a.k)
@@ -82,15 +90,16 @@ def main(argv=None) -> int:
             proposer.propose_tree(s, s.num_steps)
             draft[str(s)].append(time.perf_counter() - t0)
     ms = {n: statistics.median(v) * 1e3 for n, v in verify.items()}
+    chain_ms = {n: statistics.median(v) * 1e3 for n, v in chain.items()}
     one = ms[min(a.nodes)]
     cpu = platform.processor() or platform.machine()
     print(
         f"torch {torch.__version__}, {a.threads} thread(s), capability {torch.backends.cpu.get_cpu_capability()}, "
         f"{cpu}; target {a.target}, context {a.context} tokens; median of {a.repeats}"
     )
-    print(f"{'verify tokens n':>15s} {'fwd ms':>8s} {'fwd(n)/fwd(1)':>14s}")
+    print(f"{'verify tokens n':>15s} {'tree fwd ms':>12s} {'fwd(n)/fwd(1)':>14s} {'chain fwd ms':>13s}")
     for n in a.nodes:
-        print(f"{n:15d} {ms[n]:8.2f} {ms[n] / one:14.2f}")
+        print(f"{n:15d} {ms[n]:12.2f} {ms[n] / one:14.2f} {chain_ms[n]:13.2f}")
     draft_ms = {name: statistics.median(v) * 1e3 for name, v in draft.items()}
     print(f"\n{'drafting (EAGLE-3 head)':45s} {'ms':>7s} {'vs chain':>9s}")
     for name, value in draft_ms.items():
@@ -104,6 +113,7 @@ def main(argv=None) -> int:
             "context": a.context,
             "verify_ms": ms,
             "verify_ratio": {n: v / one for n, v in ms.items()},
+            "chain_verify_ms": chain_ms,
             "draft_ms": draft_ms,
         }
         with open(a.json, "w") as f:

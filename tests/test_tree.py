@@ -561,3 +561,36 @@ def test_eval_puts_the_tree_beside_the_chain_and_the_card_serves_it(tmp_path):
     assert "--speculative-eagle-topk 3 --speculative-num-draft-tokens 10" in card
     assert '"tree": {"topk": 3, "num_steps": 3, "num_draft_tokens": 10}' in card
     assert "speculative_token_tree" in card
+
+
+def test_bench_serves_the_tree_beside_the_chain(tmp_path):
+    """``draftsmith bench --tree``: each tree drafter's ``+tree`` twin is served over HTTP at every concurrency
+    (trees verified per row in the batch), its greedy responses equal plain's, its acceptance read from /metrics."""
+    from draftsmith.evaluation.bench import run_bench
+    from draftsmith.evaluation.bench_config import BenchConfig, bench_methods, speculative_config
+
+    model, tok = reference.target()
+    head = drafters.get("eagle3").example(model, tok, tmp_path / "head").model
+    tree = "topk=3,num_steps=3,num_draft_tokens=10"
+    cfg = BenchConfig(
+        target="reference",
+        methods=["none", "eagle3", "ngram"],
+        head=head,
+        k=3,
+        tree=tree,
+        num_prompts=2,
+        max_tokens=8,
+        concurrency=[1, 2],
+        rounds=1,
+        threads=1,
+        out=str(tmp_path / "bench"),
+    )
+    assert bench_methods(cfg) == ["none", "eagle3", "eagle3+tree", "ngram"]
+    spec = speculative_config("eagle3+tree", cfg)
+    assert spec["tree"] == TreeShape.parse(tree).to_dict() and "num_speculative_tokens" not in spec
+    with pytest.raises(ValueError, match="none of the methods drafts trees"):
+        bench_methods(BenchConfig(methods=["none", "ngram"], tree=tree))
+    report = run_bench(cfg, model=model, tokenizer=tok)
+    for row in report["methods"]["eagle3+tree"]["per_concurrency"]:
+        assert row["failed"] == 0 and row["greedy_mismatches"] == 0 and row["baseline_mismatches"] == 0
+        assert row["counters"]["draft_tokens"] > 0 and row["tau"] >= 1

@@ -73,7 +73,7 @@ from draftsmith.evaluation.bench_config import (
     BASELINE,
     HF_BASELINE,
     BenchConfig,
-    default_methods,
+    bench_methods,
     speculative_config,
 )
 from draftsmith.models import load_causal_lm
@@ -760,7 +760,7 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
     """
 
     torch.set_num_threads(cfg.threads)
-    specs = {} if cfg.urls else {m: speculative_config(m, cfg) for m in (cfg.methods or default_methods(cfg))}
+    specs = {} if cfg.urls else {m: speculative_config(m, cfg) for m in bench_methods(cfg)}
     if model is None and not cfg.urls:
         for method, spec in specs.items():
             plan_for_engine(

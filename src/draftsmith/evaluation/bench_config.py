@@ -9,11 +9,13 @@ from pathlib import Path
 
 from draftsmith import arguments as arg
 from draftsmith import drafters, reference
+from draftsmith.core.tree_shape import TreeShape
 from draftsmith.drafters.speculative import recorded_head_type
 from draftsmith.reference import TASK_NAMES
 from draftsmith.sources import ModelSourceError, check_head_dir, check_model_source
 
 BASELINE = "none"
+TREE_SUFFIX = "+tree"  #: a method drafting trees of ``BenchConfig.tree``: ``eagle3+tree``
 
 
 HF_BASELINE = "hf:plain"
@@ -28,8 +30,11 @@ class BenchConfig:
         methods: in-process servers to start: 'none' (no speculation) and drafter names; None = 'none', the
             head's drafter (when ``head`` is an export) and every drafter that needs no trained export.
         urls: running servers to measure instead of starting any (their /v1/models names the method).
-        k: num_speculative_tokens. head: an exported drafter directory, or several (one per drafter: each is
-            the row of the method its draftsmith.json records).
+        k: num_speculative_tokens. tree: a draft tree (``core.tree_shape.TreeShape`` text, e.g.
+            ``topk=4,num_steps=5,num_draft_tokens=32``): each method that drafts trees also runs as
+            ``METHOD+tree`` with it (None: chains only).
+        head: an exported drafter directory, or several (one per drafter: each is the row of the method its
+            draftsmith.json records).
         draft_model: the model of drafters that draft with a plain causal LM, and the HF assistant.
         prompt_lookup_min, prompt_lookup_max: n-gram lookup bounds (and HF's max_matching_ngram_size).
         num_prompts, tasks: prompts taken round robin from these held-out tasks.
@@ -46,6 +51,7 @@ class BenchConfig:
     methods: list[str] | None = None
     urls: list[str] = field(default_factory=list)
     k: int = 5
+    tree: str | None = None
     head: str | list[str] | None = "runs/reference-eagle3/head"
     draft_model: str = "reference-draft"
     prompt_lookup_min: int = 2
@@ -64,6 +70,32 @@ class BenchConfig:
 
     def __post_init__(self):
         self.concurrency = normalize_concurrency(self.concurrency)
+        if self.tree is not None:
+            self.tree = str(TreeShape.parse(self.tree))  # refuses a bad shape now
+
+
+def base_method(method: str) -> str:
+    """The drafter a bench method runs (``eagle3+tree`` -> ``eagle3``)."""
+    return method.removesuffix(TREE_SUFFIX)
+
+
+def bench_methods(cfg: BenchConfig) -> list[str]:
+    """The in-process servers: ``cfg.methods`` (default ``default_methods``), each tree-drafting one followed by its
+    ``+tree`` twin when ``cfg.tree`` is set.
+
+    Raises:
+        ValueError: ``cfg.tree`` set but no method drafts trees."""
+    out = []
+    for method in cfg.methods or default_methods(cfg):
+        out.append(method)
+        if cfg.tree and method != BASELINE and drafters.config_module(method).RULES.drafts_trees:
+            out.append(method + TREE_SUFFIX)
+    if cfg.tree and not any(m.endswith(TREE_SUFFIX) for m in out):
+        tree_methods = [n for n in drafters.names() if drafters.config_module(n).RULES.drafts_trees]
+        raise ValueError(
+            f"--tree: none of the methods drafts trees ({', '.join(out)}); add {' or '.join(tree_methods)}"
+        )
+    return out
 
 
 def normalize_concurrency(value) -> tuple[int, ...]:
@@ -114,6 +146,10 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict | None:
     method."""
     if method == BASELINE:
         return None
+    if method.endswith(TREE_SUFFIX):
+        spec = speculative_config(base_method(method), cfg)
+        spec.pop("num_speculative_tokens")
+        return {**spec, "tree": TreeShape.parse(cfg.tree).to_dict()}
     drafters.check_name(method, "bench method")
     rules = drafters.config_module(method).RULES
     spec = {
@@ -156,6 +192,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     )
     p.add_argument("--k", type=arg.positive_int, default=d.k)
     p.add_argument(
+        "--tree",
+        type=_tree,
+        default=d.tree,
+        metavar="topk=T,num_steps=D,num_draft_tokens=N",
+        help="also run each tree-drafting method (eagle3, dflash) as METHOD+tree with this EAGLE-2 / DDTree shape",
+    )
+    p.add_argument(
         "--head", nargs="+", default=d.head, help="exported drafter directories (one per trained method: eagle3, ...)"
     )
     p.add_argument("--draft-model", default=d.draft_model)
@@ -180,6 +223,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--hf-peer", action="store_true", help="also run transformers assisted generation")
     p.add_argument("--out", default=d.out)
     return p
+
+
+def _tree(text: str) -> str:
+    """An argparse type: a tree shape (``TreeShape.parse``), kept as its text."""
+    try:
+        return str(TreeShape.parse(text))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_config(cfg: BenchConfig) -> None:
@@ -210,7 +261,7 @@ def check_config(cfg: BenchConfig) -> None:
     if Path(cfg.out).exists() and not Path(cfg.out).is_dir():
         raise ValueError(f"--out {cfg.out!r} is a file; pass a directory for report.json, table.md and bench.png")
     check_model_source(cfg.target, role="target")
-    methods = [] if cfg.urls else (cfg.methods or default_methods(cfg))
+    methods = [] if cfg.urls else [base_method(m) for m in bench_methods(cfg)]
     exports = [
         m
         for m in methods
