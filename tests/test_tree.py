@@ -594,3 +594,66 @@ def test_bench_serves_the_tree_beside_the_chain(tmp_path):
     for row in report["methods"]["eagle3+tree"]["per_concurrency"]:
         assert row["failed"] == 0 and row["greedy_mismatches"] == 0 and row["baseline_mismatches"] == 0
         assert row["counters"]["draft_tokens"] > 0 and row["tau"] >= 1
+
+
+# ------------------------------------------------------------------------------------------- static trees
+
+
+def test_static_trees_parse_vllm_speculative_token_tree():
+    shape = TreeShape.parse("[(0, 0), (0,), (1,)]")
+    assert shape.is_static and shape.paths == ((0,), (1,), (0, 0))  # breadth-first, as vLLM sorts it
+    assert (shape.topk, shape.num_steps, shape.num_draft_tokens) == (2, 2, 4)
+    assert TreeShape.parse(str(shape)) == shape == TreeShape.parse(shape.to_dict())
+    for bad, words in [
+        ("[(0, 1)]", r"node \(0,\) is missing"),
+        ("[(0,), (0,)]", "listed twice"),
+        ("[(0,), (-1,)]", "ranks >= 0"),
+        ("[(0,), oops]", "not a Python list"),
+        ("[]", "non-empty list"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            TreeShape.parse(bad)
+    with pytest.raises(ValueError, match="dynamic trees only"):
+        shape.sglang_args()
+    spec = SpeculativeConfig.from_dict(
+        {"method": "eagle3", "model": "runs/HEAD", "speculative_token_tree": "[(0,), (1,), (0, 0)]"}
+    )
+    assert spec.tree == shape and spec.num_speculative_tokens == 3  # vLLM: a static tree's k is its node count
+    assert spec.to_dict()["speculative_token_tree"] == "[(0,), (1,), (0, 0)]"
+    with pytest.raises(ValueError, match="not both"):
+        SpeculativeConfig.from_dict(
+            {
+                "method": "eagle3",
+                "model": "x",
+                "speculative_token_tree": "[(0,)]",
+                "tree": "topk=1,num_steps=1,num_draft_tokens=2",
+            }
+        )
+
+
+@pytest.mark.parametrize("name", TREE_DRAFTERS)
+def test_a_static_tree_of_the_dynamic_trees_nodes_drafts_the_same_tokens(tmp_path, name):
+    """The rank paths of a drafted dynamic tree (EAGLE-2 / DDTree), served as a static tree, draft the same
+    tokens and parents: the static expansion computes each node as the dynamic one did; and a static tree is
+    greedy-exact end to end."""
+    from draftsmith.core.tree import path_ranks
+
+    model, tok = _tiny("llama")
+    dynamic = TreeShape(3, 3, 12)
+    engine = _tree_engine(model, tok, tmp_path, dynamic, name)
+    prompt = torch.tensor([5, 6, 7, 8, 9, 5, 6, 7, 10, 11])
+    step = engine.target.forward(prompt, engine.target.new_cache())
+    proposer = engine.new_proposer(GenerationConfig())
+    proposer.start(prompt, int(step.logits[-1].argmax()), step)
+    drafted = proposer.propose_tree(dynamic, 3)
+    ranks = [path_ranks(drafted.parents, _path(drafted.parents, i)) for i in range(drafted.tokens.numel())]
+    # the chain (0, 0, 0) keeps the static tree 3 deep: a DFlash block's marginals depend on its length
+    static = TreeShape.static(sorted(set(ranks) | {(0,), (0, 0), (0, 0, 0)}))
+    again = proposer.propose_tree(static, 3)
+    order = [static.paths.index(r) for r in ranks]  # the static tree lists the same nodes breadth-first
+    assert again.tokens[order].tolist() == drafted.tokens.tolist()
+    assert [path_ranks(again.parents, _path(again.parents, j)) for j in order] == ranks
+    spec = drafters.get(name).example(model, tok, tmp_path / "again").with_tree(static)
+    cfg = GenerationConfig(max_new_tokens=16)
+    out = Engine(model, tok, spec).generate(prompt.tolist(), cfg)
+    assert out.tokens == generate_plain(TargetModel(model, tok), prompt, cfg).tokens and out.stats.num_drafts > 0

@@ -207,6 +207,28 @@ def best_first_tree(logprobs: torch.Tensor, shape: TreeShape) -> tuple[torch.Ten
     return torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long)
 
 
+def static_parents(shape: TreeShape, max_depth: int | None = None) -> tuple[list[tuple[int, ...]], torch.Tensor]:
+    """A static tree's nodes at most ``max_depth`` deep (its rank paths, breadth-first) and their parents ``[N]``."""
+    if shape.paths is None:
+        raise ValueError("static_parents needs a static tree (TreeShape.static)")
+    paths = [p for p in shape.paths if max_depth is None or len(p) <= max_depth]
+    index = {p: i for i, p in enumerate(paths)}
+    return paths, torch.tensor([index[p[:-1]] if len(p) > 1 else -1 for p in paths], dtype=torch.long)
+
+
+def marginal_tree(logprobs: torch.Tensor, shape: TreeShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """A tree over per-position draft distributions (``best_first_tree``'s input): a dynamic shape gives the
+    best-first tree; a static one (``TreeShape.static``) puts at node (r_1 .. r_d) the rank-r_d token of position d.
+
+    Returns:
+        ``(tokens [N], parents [N])`` int64 on the CPU (static nodes deeper than ``logprobs.shape[0]`` dropped)."""
+    if shape.paths is None:
+        return best_first_tree(logprobs, shape)
+    paths, parents = static_parents(shape, logprobs.shape[0])
+    top = logprobs.float().topk(min(shape.topk, logprobs.shape[1]), dim=-1).indices.tolist()  # [D, topk]
+    return torch.tensor([top[len(p) - 1][p[-1]] for p in paths], dtype=torch.long), parents
+
+
 def path_ranks(parents: torch.Tensor, path: list[int]) -> tuple[int, ...]:
     """The accepted ``path``'s sibling index at each depth (node c's index among its parent's children, in index
     order). In an EAGLE-2 tree a node's siblings are its parent's top-k in rank order, so these are the drafter's

@@ -25,7 +25,7 @@ from draftsmith.sources import check_head_dir, check_model_source, is_head_dir
 METADATA_FILE = "draftsmith.json"  # marks an exported drafter directory (export.metadata.METADATA_FILE)
 PLAIN_LM = "draft_model"  # what a model directory without draftsmith.json is drafted with
 LEGACY_HEAD_TYPE = "eagle3"  # draftsmith.json written before head_type existed: an EAGLE-3 head
-GENERIC_KEYS = ("method", "model", "num_speculative_tokens", "tree")
+GENERIC_KEYS = ("method", "model", "num_speculative_tokens", "tree", "speculative_token_tree")
 
 
 def recorded_head_type(path: str | Path) -> str | None:
@@ -53,7 +53,8 @@ class SpeculativeConfig:
         options: the method's further keys, completed with their defaults (its ``RULES.options``).
         tree: draft trees of this shape instead of chains (``core.tree.TreeShape``, or its dict / string), for a
             method whose rules say it drafts trees; ``num_speculative_tokens`` then defaults to (and must equal)
-            its ``num_steps``.
+            its ``num_steps``. vLLM's key ``speculative_token_tree`` (a static tree) is read as a tree too, and
+            its ``num_speculative_tokens`` is the tree's node count, as vLLM counts a static tree's tokens.
 
     Raises:
         ValueError: a missing or invalid value, a key the method does not take, an unknown method, a tree for a
@@ -87,12 +88,17 @@ class SpeculativeConfig:
                     f"speculative config: method {self.method!r} drafts chains only; drop 'tree' or use "
                     f"{' or '.join(tree_methods)}"
                 )
+            want, what = (
+                (self.tree.num_nodes, "node count (vLLM's speculative_token_tree)")
+                if self.tree.is_static
+                else (self.tree.num_steps, "num_steps, its depth")
+            )
             if self.num_speculative_tokens is None:
-                self.num_speculative_tokens = self.tree.num_steps
-            elif self.num_speculative_tokens != self.tree.num_steps:
+                self.num_speculative_tokens = want
+            elif self.num_speculative_tokens != want:
                 raise ValueError(
                     f"speculative config: num_speculative_tokens ({self.num_speculative_tokens}) must equal the "
-                    f"tree's num_steps ({self.tree.num_steps}), its depth; omit one of them"
+                    f"tree's {what}: {want}; omit one of them"
                 )
         k = self.num_speculative_tokens
         if k is None:
@@ -121,6 +127,11 @@ class SpeculativeConfig:
         model = data.pop("model", None)
         k = data.pop("num_speculative_tokens", None)
         tree = data.pop("tree", None)
+        token_tree = data.pop("speculative_token_tree", None)
+        if token_tree is not None:
+            if tree is not None:
+                raise ValueError("speculative config: give 'tree' or 'speculative_token_tree', not both")
+            tree = TreeShape.static(token_tree)
         if method is None:
             if model is None:
                 raise ValueError(f"speculative config: 'method' is required (one of {', '.join(drafters.names())})")
@@ -144,9 +155,16 @@ class SpeculativeConfig:
     def to_dict(self) -> dict[str, Any]:
         """The config as vLLM's JSON keys (what ``/v1/models`` shows and a vLLM server would take)."""
         out = {"method": self.method, "model": self.model, "num_speculative_tokens": self.num_speculative_tokens}
-        if self.tree is not None:
+        if self.tree is not None and self.tree.is_static:
+            out["speculative_token_tree"] = self.tree.token_tree()
+        elif self.tree is not None:
             out["tree"] = self.tree.to_dict()
         return {k: v for k, v in {**out, **self.options}.items() if v is not None}
+
+    @property
+    def depth(self) -> int:
+        """Drafted tokens along one path per step: k for a chain, a tree's ``num_steps``."""
+        return self.tree.num_steps if self.tree is not None else int(self.num_speculative_tokens)
 
     def with_k(self, k: int) -> "SpeculativeConfig":
         """The same drafter at another ``num_speculative_tokens``; a tree keeps its own depth (``num_steps``)."""
@@ -157,7 +175,7 @@ class SpeculativeConfig:
     def with_tree(self, tree) -> "SpeculativeConfig":
         """The same drafter drafting trees of shape ``tree`` (a ``TreeShape``, dict or string; None: chains)."""
         shape = TreeShape.parse(tree)
-        k = shape.num_steps if shape is not None else self.num_speculative_tokens
+        k = None if shape is not None else self.num_speculative_tokens
         return SpeculativeConfig(self.method, self.model, k, dict(self.options), shape)
 
 

@@ -139,6 +139,8 @@ class Engine:
         aux_layer_ids = self.drafter.aux_layer_ids if self.drafter is not None else None
         self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
         self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
+        if self.spec is not None and self.spec.tree is not None:
+            self.k = self.spec.tree.num_steps  # a tree's counters run over its depths
         self.max_model_len = resolve_max_model_len(self.target.position_limit, max_model_len)
         if self.drafter is not None:
             self.drafter.check_max_model_len(self.max_model_len)

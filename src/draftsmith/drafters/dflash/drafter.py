@@ -76,10 +76,10 @@ class DFlashDrafter(Drafter):
 
         Raises ValueError when k exceeds block_size - 1 (the block has no position for it)."""
         head, _ = load_dflash(spec.model, target_model=target_model, tokenizer=tokenizer, allow_mismatch=allow_mismatch)
-        if spec.num_speculative_tokens > head.config.max_k:
+        if spec.depth > head.config.max_k:
             raise ValueError(
-                f"speculative config: num_speculative_tokens {spec.num_speculative_tokens} > the DFlash drafter's "
-                f"block_size - 1 = {head.config.max_k}; use num_speculative_tokens <= {head.config.max_k}"
+                f"speculative config: {'the tree depth' if spec.tree else 'num_speculative_tokens'} {spec.depth} > "
+                f"the DFlash drafter's block_size - 1 = {head.config.max_k}; draft at most {head.config.max_k} deep"
             )
         device = next(target_model.parameters()).device
         head = in_fast_dtype(head.to(device), device, f"the DFlash drafter {spec.model!r}")

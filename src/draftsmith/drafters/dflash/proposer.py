@@ -26,7 +26,7 @@ import torch
 
 from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
 from draftsmith.core.sampling import seeded_generator
-from draftsmith.core.tree import best_first_tree
+from draftsmith.core.tree import marginal_tree
 from draftsmith.drafters.dflash.head import DFlashHead
 
 
@@ -110,8 +110,9 @@ class DFlashProposer(Proposer):
 
     @torch.inference_mode()
     def propose_tree(self, shape, max_depth: int) -> Proposal:
-        """A best-first tree (``core.tree.best_first_tree``, DDTree) over the per-position distributions of ONE block
-        forward of depth min(num_steps, max_depth, block_size - 1); the drafts are top-k, q None."""
+        """A best-first tree (``core.tree.best_first_tree``, DDTree), or the static tree ``shape`` names
+        (``core.tree.marginal_tree``), over the per-position distributions of ONE block forward of depth
+        min(num_steps, max_depth, block_size - 1); the drafts are top-k, q None."""
         depth = min(shape.num_steps, max_depth, self.head.config.max_k)
         if depth <= 0:
             return Proposal.empty()
@@ -121,7 +122,7 @@ class DFlashProposer(Proposer):
         ids[0, 0] = self.last_token
         positions = torch.arange(self.length, self.length + depth + 1, device=self.device)[None]
         logits = self.head.logits(self.head.block(ids, positions, [tuple(e) for e in self.kv])[0, 1:])  # [D, V]
-        tokens, parents = best_first_tree(torch.log_softmax(logits.float(), dim=-1), shape)
+        tokens, parents = marginal_tree(torch.log_softmax(logits.float(), dim=-1), shape)
         return Proposal(tokens, parents=parents)
 
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:

@@ -226,11 +226,14 @@ def _tree_lines(head_dir: Path, target: str, eval_record: dict) -> list[str]:
     shape = TreeShape.parse(text)
     spec = json.dumps({"method": "eagle3", "model": str(head_dir), "tree": shape.to_dict()})
     lines = [
-        f"# draft trees, as evaluated ({label}: {shape}); SGLang names the same three numbers",
+        f"# draft trees, as evaluated ({label}: {shape})",
         f"draftsmith serve --target {target} --speculative-config '{spec}'",
-        f"python -m sglang.launch_server --model {target} --speculative-draft-model-path {head_dir} "
-        + " ".join(shape.sglang_args()),
     ]
+    if not shape.is_static:  # SGLang names the same three numbers
+        lines.append(
+            f"python -m sglang.launch_server --model {target} --speculative-draft-model-path {head_dir} "
+            + " ".join(shape.sglang_args())
+        )
     static = (eval_record.get("static_trees") or {}).get(label)
     if static:
         vllm_spec = json.dumps(

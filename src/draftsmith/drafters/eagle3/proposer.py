@@ -29,7 +29,7 @@ import torch
 from draftsmith.core.proposer import BatchProposer, Proposal, Proposer, Sampling
 from draftsmith.core.sampling import seeded_generator
 from draftsmith.drafters.eagle3.head import Eagle3Head, HeadKV, RaggedHeadKV
-from draftsmith.drafters.eagle3.tree import eagle2_tree
+from draftsmith.drafters.eagle3.tree import draft_tree
 
 logger = logging.getLogger(__name__)
 
@@ -154,8 +154,9 @@ class Eagle3Proposer(Proposer):
         return Proposal(torch.tensor(tokens, dtype=torch.long), q)
 
     def propose_tree(self, shape, max_depth: int) -> Proposal:
-        """An EAGLE-2 dynamic tree (``drafters.eagle3.tree.eagle2_tree``) after the current context."""
-        return eagle2_tree(self.head, self.kv, self.last_hidden, self.last_logits, shape, max_depth, self.draft_ids)
+        """An EAGLE-2 dynamic tree, or the static tree ``shape`` names (``drafters.eagle3.tree.draft_tree``), after
+        the current context."""
+        return draft_tree(self.head, self.kv, self.last_hidden, self.last_logits, shape, max_depth, self.draft_ids)
 
     def accept(self, n_accepted: int, emitted: torch.Tensor, target_step) -> None:
         # rows 0..n of the verify pass read [last token, d1..dn]; the token after each is emitted[0..n]
@@ -348,14 +349,14 @@ class BatchEagle3Proposer(BatchProposer):
 
     @torch.inference_mode()
     def propose_tree(self, keys, shape, max_depths) -> list[Proposal]:
-        """An EAGLE-2 tree per row (``eagle2_tree``: one head step per depth over the row's topk frontier nodes),
-        row by row; each row's memory is its own slot of the pool."""
+        """An EAGLE-2 (or static) tree per row (``draft_tree``: one head step per depth over the row's frontier
+        nodes), row by row; each row's memory is its own slot of the pool."""
         self._compact()
         out = []
         for key, depth in zip(keys, max_depths):
             row = self.rows[key]
             kv = RaggedHeadKV(self.pool_k, self.pool_v, [self.slot[key]], [row.length])
-            out.append(eagle2_tree(self.head, kv, row.hidden, row.logits, shape, depth, self.draft_ids))
+            out.append(draft_tree(self.head, kv, row.hidden, row.logits, shape, depth, self.draft_ids))
         return out
 
     @torch.inference_mode()

@@ -19,6 +19,10 @@ The drafts are the head's top-k, not samples, at every temperature: tree verific
 one-hot q (``core.tree.verify_tree_sampling``), as SGLang's ``tree_speculative_sampling_target_only``. The
 scores use the head's raw distribution (temperature 1, no request processors); verification applies the
 request's settings.
+
+A static tree (``TreeShape.static``, vLLM's ``speculative_token_tree``) is expanded the same way level by level,
+every node with children being fed (``static_tree``): node (r_1 .. r_d) holds the rank-r_d token of the head's
+distribution after its parent. ``draft_tree`` picks the one the shape asks for.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.core.proposer import Proposal
-from draftsmith.core.tree import TreeShape
+from draftsmith.core.tree import TreeShape, static_parents
 from draftsmith.drafters.eagle3.head import Eagle3Head, HeadKV
 
 
@@ -106,3 +110,62 @@ def eagle2_tree(
     if bool((node_parents == -2).any()):
         raise RuntimeError("EAGLE-2 selection is not closed under ancestors (non-finite draft scores?)")
     return Proposal(draft_ids[cols[keep]].cpu().long(), parents=node_parents.cpu())
+
+
+@torch.inference_mode()
+def static_tree(
+    head: Eagle3Head,
+    kv: HeadKV,
+    hidden: torch.Tensor,
+    logits: torch.Tensor,
+    shape: TreeShape,
+    max_depth: int,
+    draft_ids: torch.Tensor,
+) -> Proposal:
+    """The static tree ``shape.paths`` (rank paths, breadth-first) after a context of L positions: each node at
+    depth d takes the rank its path names in its parent's distribution; then ONE head step over the nodes at depth d
+    that have children (fed their parents' head outputs and their own tokens at position L - 1 + d, attending to
+    the prefix and their ancestors) gives the distributions of depth d + 1. Arguments as ``eagle2_tree``; nodes
+    deeper than ``max_depth`` are left out.
+
+    Raises:
+        ValueError: a rank past the draft vocabulary."""
+    paths, parents = static_parents(shape, max_depth)
+    if not paths:
+        return Proposal.empty()
+    if shape.topk > logits.numel():
+        raise ValueError(f"static tree ranks up to {shape.topk - 1}, past the draft vocabulary of {logits.numel()}")
+    device = logits.device
+    index = {p: i for i, p in enumerate(paths)}
+    has_children = {p[:-1] for p in paths}
+    cols = torch.zeros(len(paths), dtype=torch.long, device=device)
+    level: list[tuple[int, ...]] = [()]  # the paths whose head outputs are the rows of level_hidden
+    level_hidden, level_logits = hidden.reshape(1, 1, -1), logits.reshape(1, -1)
+    kv.reset_chain()
+    try:
+        for depth in range(1, max(len(p) for p in paths) + 1):
+            nodes = [p for p in paths if len(p) == depth]
+            row = {p: r for r, p in enumerate(level)}
+            top = level_logits.topk(max(p[-1] for p in nodes) + 1, dim=-1).indices  # [R, ranks]
+            for p in nodes:
+                cols[index[p]] = top[row[p[:-1]], p[-1]]
+            expand = [p for p in nodes if p in has_children]
+            if not expand:
+                break
+            rows = torch.tensor([row[p[:-1]] for p in expand], device=device)
+            kv.chain = [(k.index_select(0, rows), v.index_select(0, rows)) for k, v in kv.chain]
+            ids = draft_ids[cols[torch.tensor([index[p] for p in expand], device=device)]][:, None]
+            position = torch.full((len(expand), 1), kv.length - 1 + depth, device=device)
+            out, _ = head.step(
+                level_hidden.index_select(0, rows), ids, kv, "chain", position_ids=position, with_logits=False
+            )
+            level, level_hidden, level_logits = expand, out, head.logits(out[:, 0])
+    finally:
+        kv.reset_chain()
+    return Proposal(draft_ids[cols].cpu().long(), parents=parents)
+
+
+def draft_tree(head, kv, hidden, logits, shape: TreeShape, max_depth: int, draft_ids) -> Proposal:
+    """``static_tree`` for a static shape, else ``eagle2_tree`` (same arguments)."""
+    build = static_tree if shape.is_static else eagle2_tree
+    return build(head, kv, hidden, logits, shape, max_depth, draft_ids)
