@@ -119,3 +119,20 @@ def test_the_heads_metadata_records_the_training_precision_and_why(trained):
     native = dtype_speed(torch.bfloat16).fast
     assert recorded["requested"] == "auto" and recorded["value"] == ("bf16" if native else "no")
     assert "matmul took" in recorded["reason"]
+
+
+def test_the_export_carries_a_golden_trace_our_server_reproduces(trained):
+    """Every export gets ``trace.json`` (``export.trace``); replayed through draftsmith's own server it certifies
+    'identical' (``draftsmith certify``)."""
+    from draftsmith.evaluation.certify import certify, read_trace
+    from draftsmith.serve.engine import Engine
+    from draftsmith.serve.server import BackgroundServer, create_app
+
+    target, tok, head_dir = trained
+    trace = read_trace(head_dir)
+    assert trace["head_type"] == "eagle3" and len(trace["prompts"]) == 4 and trace["max_tokens"] == 32
+    k = trace["speculative_config"]["num_speculative_tokens"]
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": k}
+    with BackgroundServer(create_app(Engine(target, tok, spec, model_name="reference"))) as server:
+        result = certify(head_dir, server.url)
+    assert result.verdict == "identical", result.summary()

@@ -124,7 +124,7 @@ def test_out_of_range_values_get_400_naming_the_field(setup, body, param):
 
 CHAT_ONLY = {"chat_template", "chat_template_kwargs", "continue_final_message", "documents"}
 CHAT_ONLY |= {"tools", "tool_choice", "functions", "function_call", "reasoning_effort", "mm_processor_kwargs"}
-CHAT_ONLY |= {"media_io_kwargs", "top_logprobs"}
+CHAT_ONLY |= {"media_io_kwargs", "top_logprobs", "return_token_ids"}  # completions return them (vLLM's fields)
 REFUSED = {  # one value that would change the output, per refused field
     "best_of": 2,
     "echo": True,

@@ -163,6 +163,28 @@ def cmd_check(args) -> int:
     return 0
 
 
+def cmd_certify(args) -> int:
+    from draftsmith.evaluation.certify import certify, make_trace, write_trace
+
+    if args.write_trace:
+        from draftsmith.models import load_causal_lm
+
+        target, tokenizer = load_causal_lm(args.target, args.revision, args.dtype, role="target")
+        trace = make_trace(
+            args.head, target, tokenizer, k=args.k, num_prompts=args.num_prompts, max_tokens=args.max_tokens
+        )
+        path = write_trace(args.head, trace)
+        print(
+            f"trace: {path} ({len(trace['prompts'])} prompts x {trace['max_tokens']} tokens, k = "
+            f"{trace['speculative_config']['num_speculative_tokens']})"
+        )
+    if args.server is None:
+        return 0
+    result = certify(args.head, args.server, tolerance=args.tolerance, api_key=args.api_key)
+    print(result.summary())
+    return 0 if result.ok else 1
+
+
 def cmd_push(args) -> int:
     from draftsmith.pipeline.hub import push_head
 
@@ -328,6 +350,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="the dtype the target will serve in (warns when the head was trained on another one)",
     )
     p.set_defaults(fn=cmd_check)
+    p = _verb(sub, "certify", "replay a head's golden trace through a running server; exit 1 on mismatch")
+    p.add_argument("head")
+    p.add_argument("--server", type=arg.url, default=None, help="an OpenAI-compatible server (vLLM, draftsmith, ...)")
+    p.add_argument("--tolerance", type=arg.non_negative_float, default=0.05, help="relative, on accepted tokens")
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--write-trace", action="store_true", help="(re)write HEAD/trace.json with draftsmith's runtime")
+    p.add_argument("--target", default=None, help="the target, for --write-trace")
+    p.add_argument("--revision", default=None)
+    p.add_argument("--dtype", default="float32", type=arg.dtype)
+    p.add_argument("--k", type=arg.positive_int, default=None, help="for --write-trace (default: the head's)")
+    p.add_argument("--num-prompts", type=arg.positive_int, default=4)
+    p.add_argument("--max-tokens", type=arg.positive_int, default=32)
+    p.set_defaults(fn=cmd_certify)
     p = _verb(sub, "push", "upload a checked head directory to the Hugging Face Hub")
     p.add_argument("head")
     p.add_argument("--repo-id", required=True, help="ORG/NAME")
@@ -540,6 +575,17 @@ def _check_head_and_target(args) -> None:
         check_model_source(args.target, getattr(args, "revision", None), role="target")
 
 
+def _check_certify(args) -> None:
+
+    check_head_dir(args.head, role="head")
+    if args.write_trace and args.target is None:
+        raise ValueError("--write-trace needs --target (the model the trace is decoded with)")
+    if not args.write_trace and args.server is None:
+        raise ValueError("pass --server URL (a running server to certify) or --write-trace --target TARGET")
+    if args.target is not None:
+        check_model_source(args.target, args.revision, role="target")
+
+
 def _check_push(args) -> None:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
@@ -582,6 +628,7 @@ def _check_bench(args) -> None:
 
 CHECKS = {
     "check": _check_head_and_target,
+    "certify": _check_certify,
     "push": _check_push,
     "export": _check_export,
     "eval": _check_eval,

@@ -53,9 +53,11 @@ class TargetConfig:
 
 @dataclass
 class ExportConfig:
-    """Which formats ``export`` writes besides draftsmith's own (the drafter's ``formats``; ``all`` = every one)."""
+    """Which formats ``export`` writes besides draftsmith's own (the drafter's ``formats``; ``all`` = every one), and
+    whether the export gets its golden acceptance trace (``HEAD/trace.json``, what ``draftsmith certify`` replays)."""
 
     formats: list[str] = field(default_factory=lambda: ["draftsmith"])
+    trace: bool = True  #: write HEAD/trace.json (evaluation.certify.make_trace: 4 held-out prompts x 32 tokens)
 
 
 @dataclass

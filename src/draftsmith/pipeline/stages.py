@@ -32,6 +32,7 @@ from draftsmith.data_pipeline.prepare import PreparedData, load_prepared, prepar
 from draftsmith.data_pipeline.shards import ShardReader, write_shards
 from draftsmith.drafters.directory import check_export, reexport, write_card
 from draftsmith.drafters.speculative import SpeculativeConfig, recorded_head_type
+from draftsmith.evaluation.certify import make_trace, write_trace
 from draftsmith.evaluation.heldout import EvalRow, evaluate, format_table, plot_acceptance
 from draftsmith.export.metadata import METADATA_FILE, read_metadata, update_metadata
 from draftsmith.identity import target_identity
@@ -177,9 +178,10 @@ def training_record(recipe: Recipe, data: PreparedData, result: TrainResult) -> 
 
 
 def export_trained(recipe: Recipe, module, target, tokenizer, out: Path, training: dict) -> Path:
-    """Export a trained drafter module with the recipe's formats and k (``Drafter.export``)."""
+    """Export a trained drafter module with the recipe's formats and k (``Drafter.export``), then (``export.trace``)
+    its golden acceptance trace decoded by the runtime from the export itself (``evaluation.certify``)."""
     identity = target_identity(target, tokenizer, recipe.target.name_or_path, recipe.target.revision)
-    return drafters.get(recipe.drafter.method).export(
+    out = drafters.get(recipe.drafter.method).export(
         module,
         out,
         identity,
@@ -189,6 +191,9 @@ def export_trained(recipe: Recipe, module, target, tokenizer, out: Path, trainin
         k=recipe.drafter.num_speculative_tokens,
         tokenizer=tokenizer,
     )
+    if recipe.export.trace:
+        write_trace(out, make_trace(out, target, tokenizer, k=recipe.drafter.num_speculative_tokens))
+    return out
 
 
 def export_run(run_dir: Path, out: Path, formats: list[str]) -> Path:

@@ -210,6 +210,7 @@ class _SamplingRequest(BaseModel):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str]
     add_special_tokens: bool = True  # vLLM's default for completions
+    return_token_ids: bool = False  # vLLM's: the choice also carries prompt_token_ids and token_ids (not streamed)
 
 
 class TextPart(BaseModel):
@@ -380,6 +381,11 @@ def _stops(req: _SamplingRequest) -> dict:
     """The engine's text rules (``Engine.generate`` keywords): stop strings and include_stop_str_in_output."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
     return {"stop": stop, "include_stop_str_in_output": req.include_stop_str_in_output}
+
+
+def _token_ids(prompt_ids: list[int], result) -> dict:
+    """vLLM's ``return_token_ids`` fields of a completion choice: the prompt's and the output's token ids."""
+    return {"prompt_token_ids": list(prompt_ids), "token_ids": list(result.tokens)}
 
 
 def _completion_prompt(req: CompletionRequest, engine: Engine) -> list[int]:
@@ -765,6 +771,8 @@ def create_app(
         cfg = await off_loop(_generation_config, req, engine, prompt_ids, req.max_tokens)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
         base = {"id": rid, "object": "text_completion", "created": created, "model": engine.model_name}
+        if req.stream and req.return_token_ids:
+            raise _unsupported("return_token_ids", "with stream")
         if req.stream:
 
             def chunk(text, finish_reason, usage=None, stop_reason=None):
@@ -784,6 +792,11 @@ def create_app(
                     "logprobs": None,
                     "finish_reason": result.finish_reason,
                     "stop_reason": result.stop_reason,
+                    **(
+                        {"prompt_token_ids": prompt_ids, "token_ids": list(result.tokens)}
+                        if req.return_token_ids
+                        else {}
+                    ),
                 }
             ],
             "usage": _usage(result),
