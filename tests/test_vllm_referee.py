@@ -219,6 +219,31 @@ def test_vllm_decodes_like_draftsmith(tmp_path, vllm_opted_in):
     assert json.dumps(read_metadata(head_dir).to_dict())  # still serialisable
 
 
+@pytest.mark.vllm
+def test_certify_a_real_vllm_server(tmp_path, vllm_opted_in):
+    """``draftsmith certify`` against vLLM's OpenAI server started from the referee's venv: the head's own trace
+    is 'identical' (outputs and counters)."""
+    import socket
+
+    from transformers import AutoModelForCausalLM
+
+    from draftsmith.evaluation.certify import certify, make_trace, write_trace
+    from draftsmith.evaluation.vllm_server import VllmServer
+
+    target_dir, head_dir, tok = build_tiny(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    write_trace(head_dir, make_trace(head_dir, model, tok, k=3, prompts=tiny_prompts(tok, 4), max_tokens=MAX_TOKENS))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
+    with VllmServer(str(target_dir), spec, port=port, max_model_len=256, log=tmp_path / "vllm.log") as server:
+        result = certify(head_dir, server.url)
+    print(result.summary())
+    assert result.verdict == "identical" and result.convention == "vllm", result.summary()
+    assert result.theirs["num_accepted_tokens"] > 0
+
+
 def build_tiny_dflash(root, seed: int = 0):
     """``build_tiny``'s target with a DFlash drafter (2 layers, block 4) fitted to the target's own greedy
     continuations for a few seconds, exported to ``root/dflash`` (vLLM's DFlashDraftModel layout)."""

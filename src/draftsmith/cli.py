@@ -185,6 +185,35 @@ def cmd_certify(args) -> int:
     return 0 if result.ok else 1
 
 
+def _serve_elsewhere(args) -> int:
+    """``serve --engine vllm | sglang`` (``pipeline.engines``): check the head, then launch vLLM or print SGLang's
+    command."""
+    from draftsmith.drafters.speculative import SpeculativeConfig
+    from draftsmith.pipeline import engines
+
+    spec = SpeculativeConfig.parse(args.speculative_config)
+    if args.engine == "sglang":
+        command = engines.sglang_command(args.target, spec, args.host, args.port)  # refuses what SGLang lacks
+        if spec is not None:
+            engines.check_drafter(
+                args.target, spec, revision=args.revision, dtype=args.dtype, allow_mismatch=args.allow_mismatch
+            )
+        print(" ".join(command + list(args.engine_args)))
+        return 0
+    return engines.serve_with_vllm(
+        args.target,
+        spec,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        revision=args.revision,
+        max_model_len=args.max_model_len,
+        allow_mismatch=args.allow_mismatch,
+        extra=args.engine_args,
+    )
+
+
 def cmd_push(args) -> int:
     from draftsmith.pipeline.hub import push_head
 
@@ -255,6 +284,8 @@ def cmd_generate(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    if args.engine != "draftsmith":
+        return _serve_elsewhere(args)
     from draftsmith.serve.engine import Engine
     from draftsmith.serve.server import serve
 
@@ -456,6 +487,16 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: none, plain decoding)",
     )
     p.add_argument(
+        "--engine",
+        choices=["draftsmith", "vllm", "sglang"],
+        default="draftsmith",
+        help="vllm: check the head as draftsmith does, then start vLLM's server from the referee's venv and certify "
+        "it with the head's trace; sglang: check, then print SGLang's command",
+    )
+    p.add_argument(
+        "engine_args", nargs="*", metavar="-- ENGINE_FLAGS", help="flags after -- go to vLLM / SGLang as given"
+    )
+    p.add_argument(
         "--host",
         metavar="HOST",
         default="127.0.0.1",
@@ -614,7 +655,19 @@ def _check_engine(args) -> None:
         from draftsmith.drafters.speculative import SpeculativeConfig
 
         SpeculativeConfig.parse(args.speculative_config)  # unknown keys, bad values: before the target loads
-    if args.verb == "serve":
+    if args.verb == "serve" and args.engine_args and args.engine == "draftsmith":
+        raise ValueError(
+            f"unexpected arguments {' '.join(args.engine_args)}: flags after -- go to --engine vllm or sglang"
+        )
+    if args.verb == "serve" and args.engine == "vllm":
+        from draftsmith.evaluation.vllm_venv import vllm_python
+
+        if not vllm_python().exists():
+            raise FileNotFoundError(
+                f"--engine vllm runs vLLM from {vllm_python()}, which does not exist: create the venv with "
+                "`python bench/vllm_referee.py --setup` (or set DRAFTSMITH_VLLM_VENV)"
+            )
+    if args.verb == "serve" and args.engine != "sglang":
         check_listen(args.host, args.port)
         if args.api_key is None:
             args.api_key = os.environ.get(API_KEY_ENV) or None

@@ -18,7 +18,7 @@ Verdicts and their likely causes:
     within tolerance   every output equal; accepted tokens within ``tolerance`` (relative) of the trace's
     mismatch           outputs differ: the target itself differs (another model, revision, dtype or kernels);
                        no counters: the server does not speculate; accepted ~0: wrong head, aux layers or method;
-                       lower acceptance: dtype or kernel differences, or another head revision
+                       lower acceptance: another head (aux layers, weights, config) or dtype / kernel differences
 """
 
 from __future__ import annotations
@@ -58,6 +58,7 @@ def make_trace(
     max_tokens: int = 32,
     tasks=TASK_NAMES,
     allow_mismatch=(),
+    prompts: list[list[int]] | None = None,
 ) -> dict:
     """The golden trace of ``head_dir`` on its target (module docstring): greedy, ``ignore_eos``.
 
@@ -65,6 +66,7 @@ def make_trace(
         head_dir: an exported drafter directory (draftsmith.json). target_model, tokenizer: its target.
         k: num_speculative_tokens (default: the export's recorded k, else 5). num_prompts, max_tokens, tasks:
             the prompts (``bench.load_prompts``: held-out, chat-templated) and the completion length.
+        prompts: token-id prompts to use instead (a target whose tokenizer cannot render the held-out tasks).
 
     Raises:
         FileNotFoundError / ValueError: not an export, or one the target refuses (``Drafter.load``)."""
@@ -75,7 +77,7 @@ def make_trace(
     spec = SpeculativeConfig(method, str(head_dir), k)
     drafter = drafters.get(method).load(spec, target_model, tokenizer, allow_mismatch)
     target = TargetModel(target_model, tokenizer, aux_layer_ids=drafter.aux_layer_ids)
-    prompts = load_prompts(tokenizer, num_prompts, list(tasks))
+    prompts = prompts if prompts is not None else load_prompts(tokenizer, num_prompts, list(tasks))
     records = []
     for prompt in prompts:
         steps: list[tuple[int, int, list[int]]] = []
@@ -344,8 +346,10 @@ def _judge(details: list[dict], convention: str, k: int, tolerance: float) -> Ce
         )
     elif accepted < want:
         cause = (
-            f"lower acceptance ({accepted} vs {want} accepted): dtype or kernel differences, another head revision, "
-            "or a draft limit (max_model_len, sliding window) the engine applies"
+            f"lower acceptance ({accepted} vs {want} accepted, {100 * (accepted - want) / want:+.1f}%): the head "
+            "served is not the one traced (its aux layers, weights or config differ), or the engine computes in "
+            "another dtype or with other kernels, or applies a draft limit (max_model_len, sliding window); compare "
+            "the server's speculative config and dtype with the trace's"
         )
     else:
         cause = f"other counters ({accepted} vs {want} accepted): another head revision, or another counting rule"

