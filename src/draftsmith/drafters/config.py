@@ -65,6 +65,8 @@ class SpeculativeRules:
         fill: ``fill(options) -> options`` completes and checks them (ValueError naming the key).
         drafts_trees: whether its proposers draft trees (``Proposer.propose_tree``): a ``tree`` key is refused
             otherwise.
+        sglang_algorithm: SGLang's ``--speculative-algorithm`` for it (``sglang/srt/server_args.py``), or None when
+            SGLang does not serve it (``serve --engine sglang`` refuses it).
     """
 
     needs_model: bool = True
@@ -73,3 +75,4 @@ class SpeculativeRules:
     options: dict[str, Any] = field(default_factory=dict)
     fill: Callable[[dict], dict] | None = None
     drafts_trees: bool = False
+    sglang_algorithm: str | None = None

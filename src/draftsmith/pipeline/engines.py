@@ -25,9 +25,6 @@ from draftsmith.drafters.speculative import SpeculativeConfig, recorded_head_typ
 
 logger = logging.getLogger(__name__)
 
-#: SGLang's --speculative-algorithm per drafter (sglang/srt/server_args.py); the others it does not serve
-SGLANG_ALGORITHMS = {"eagle3": "EAGLE3", "draft_model": "STANDALONE", "ngram": "NGRAM"}
-
 
 def vllm_speculative_config(spec: SpeculativeConfig) -> dict:
     """The ``--speculative-config`` vLLM reads for ``spec``: its JSON keys as they are (``SpeculativeConfig.to_dict``;
@@ -55,10 +52,11 @@ def sglang_command(
     argv = ["python", "-m", "sglang.launch_server", "--model-path", str(target), "--host", host, "--port", str(port)]
     if spec is None:
         return argv
-    algorithm = SGLANG_ALGORITHMS.get(spec.method)
+    algorithm = drafters.config_module(spec.method).RULES.sglang_algorithm
     if algorithm is None:
+        served = [n for n in drafters.names() if drafters.config_module(n).RULES.sglang_algorithm]
         raise ValueError(
-            f"SGLang does not serve method {spec.method!r}; it serves {', '.join(SGLANG_ALGORITHMS)} "
+            f"SGLang does not serve method {spec.method!r}; it serves {', '.join(served)} "
             f"(use --engine draftsmith or --engine vllm)"
         )
     argv += ["--speculative-algorithm", algorithm]

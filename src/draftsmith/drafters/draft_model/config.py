@@ -22,6 +22,7 @@ RULES = SpeculativeRules(
     needs_model=True,
     model_kind="model",
     model_help="the draft model's name or folder; reference-draft is the embedded one",
+    sglang_algorithm="STANDALONE",
 )
 
 #: geometry fields of ``Section`` copied onto the target's config for a model built from scratch

@@ -18,7 +18,9 @@ from draftsmith.drafters.config import DrafterSection, SpeculativeRules
 
 LEGACY_SECTION = "head"  #: this drafter's recipe section in draftsmith 0.1 (pipeline.recipe)
 LEGACY_IN_DEFAULT_EVAL = True  #: one of 0.1's default eval.methods (pipeline.recipe migration)
-RULES = SpeculativeRules(needs_model=True, model_help="the exported EAGLE-3 head directory", drafts_trees=True)
+RULES = SpeculativeRules(
+    needs_model=True, model_help="the exported EAGLE-3 head directory", drafts_trees=True, sglang_algorithm="EAGLE3"
+)
 
 
 @dataclass

@@ -31,7 +31,10 @@ def fill_lookup_bounds(options: dict) -> dict:
 
 LEGACY_IN_DEFAULT_EVAL = True  #: one of 0.1's default eval.methods (pipeline.recipe migration)
 RULES = SpeculativeRules(
-    needs_model=False, options={"prompt_lookup_min": None, "prompt_lookup_max": None}, fill=fill_lookup_bounds
+    needs_model=False,
+    options={"prompt_lookup_min": None, "prompt_lookup_max": None},
+    fill=fill_lookup_bounds,
+    sglang_algorithm="NGRAM",
 )
 
 
