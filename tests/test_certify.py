@@ -112,3 +112,22 @@ def test_certify_cli_needs_a_server_or_a_trace_to_write(traced, capsys):
     assert "--server URL" in capsys.readouterr().err
     assert main(["certify", head, "--write-trace"]) == 1
     assert "needs --target" in capsys.readouterr().err
+
+
+def test_a_tree_trace_certifies_a_tree_server_and_not_a_chain_one(tmp_path):
+    """A trace made with a draft tree records the tree; a draftsmith server drafting that tree is 'identical', one
+    drafting a chain is a mismatch (other counters), and a non-draftsmith server is refused (no vLLM rule)."""
+    from draftsmith.core.tree import TreeShape
+
+    model, tok = reference.target()
+    head = _head(model, tok, tmp_path / "tree", 0)
+    tree = TreeShape(2, 3, 6)
+    trace = make_trace(head, model, tok, k=3, num_prompts=1, max_tokens=12, tree=tree)
+    assert trace["speculative_config"]["tree"] == tree.to_dict() and trace["prompts"][0]["counters"]["vllm"] is None
+    write_trace(head, trace)
+    with _serve(model, tok, {"method": "eagle3", "model": head, "tree": tree.to_dict()}) as server:
+        assert certify(head, server.url).verdict == "identical"
+    with _serve(model, tok, {"method": "eagle3", "model": head, "num_speculative_tokens": 3}) as server:
+        chain = certify(head, server.url)
+    assert chain.verdict == "mismatch" and chain.outputs_equal == 1, chain.summary()  # same text, other counters
+    assert chain.theirs["num_draft_tokens"] != chain.ours["num_draft_tokens"]

