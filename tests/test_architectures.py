@@ -99,6 +99,17 @@ def test_capture_train_export_check_and_serve(arch, tmp_path, chatml):
         assert out.tokens == want and out.stats.num_drafts > 0, f"{arch}: speculative greedy differs from plain"
     batched = generate_batch(engine.target, engine.drafter.new_batch_proposer(), prompts, cfgs, 3, max_num_seqs=2)
     assert [b.tokens for b in batched] == plain, f"{arch}: batched greedy differs"
+    # a 3-step head accepts ~nothing; n-gram lookup on the tiny target's repetitive output accepts, so the
+    # verify / rollback path of each architecture is exercised with accepted drafts too
+    lookup = Engine(target, chatml, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    accepted = 0
+    for p, c, want in zip(prompts, cfgs, plain):
+        out = lookup.generate(p, c)
+        assert out.tokens == want, f"{arch}: n-gram greedy differs from plain"
+        accepted += out.stats.num_accepted_tokens
+    assert accepted > 0, f"{arch}: nothing accepted, the check would be vacuous"
+    batched = generate_batch(lookup.target, lookup.drafter.new_batch_proposer(), prompts, cfgs, 3, max_num_seqs=2)
+    assert [b.tokens for b in batched] == plain, f"{arch}: batched n-gram greedy differs"
 
     from draftsmith.evaluation.certify import certify, read_trace
     from draftsmith.serve.server import BackgroundServer, create_app
