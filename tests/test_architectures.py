@@ -24,19 +24,20 @@ pytestmark = pytest.mark.slow
 H, LAYERS = 64, 8  # 8 layers: EAGLE-3's default aux layers (2, 4, 5) are distinct
 
 
-def tiny_target(arch: str, vocab_size: int):
+def tiny_target(arch: str, vocab_size: int, head_dim: int = 16):
     """A random tiny causal LM of ``arch`` (eval mode, float32): what each architecture adds is kept (MoE experts
     and router, Gemma-3's scaled embedding, sliding/full layer pattern and tied embeddings, Mistral's window)."""
     import transformers as tf
 
+    hidden = max(H, 4 * head_dim)  # Qwen2 derives head_dim = hidden / heads
     common = dict(
         vocab_size=vocab_size,
-        hidden_size=H,
-        intermediate_size=2 * H,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
         num_hidden_layers=LAYERS,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=512,
         eos_token_id=1,
         pad_token_id=0,
@@ -48,11 +49,11 @@ def tiny_target(arch: str, vocab_size: int):
         config, cls = tf.MistralConfig(**common, sliding_window=32, tie_word_embeddings=False), tf.MistralForCausalLM
     elif arch == "qwen3_moe":
         config = tf.Qwen3MoeConfig(
-            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=H, tie_word_embeddings=False
+            **common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=hidden, tie_word_embeddings=False
         )
         cls = tf.Qwen3MoeForCausalLM
     elif arch == "gemma3_text":
-        config = tf.Gemma3TextConfig(**common, sliding_window=16, query_pre_attn_scalar=16)
+        config = tf.Gemma3TextConfig(**common, sliding_window=16, query_pre_attn_scalar=head_dim)
         cls = tf.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
@@ -132,11 +133,12 @@ def test_vllm_referee_per_architecture(arch, tmp_path, chatml, vllm_opted_in):  
     from draftsmith.evaluation.referee import format_table, referee
 
     target_dir = tmp_path / "target"
-    tiny_target(arch, len(chatml)).save_pretrained(target_dir)
+    tiny_target(arch, len(chatml), head_dim=64).save_pretrained(target_dir)  # vLLM's CPU attention: head_dim 64
     chatml.save_pretrained(target_dir)
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    chatml = AutoTokenizer.from_pretrained(target_dir)  # as both engines load it (its identity is what is checked)
     recipe = load_config(
         Recipe,
         None,
@@ -151,7 +153,8 @@ def test_vllm_referee_per_architecture(arch, tmp_path, chatml, vllm_opted_in):  
             "data.draft_vocab_size=128",
             "drafter.num_speculative_tokens=3",
             "drafter.ttt_steps=3",
-            "train.max_steps=3",
+            "train.max_steps=30",
+            "train.epochs=10",
             "train.batch_size=4",
             "train.threads=1",
             "export.formats=[draftsmith]",
