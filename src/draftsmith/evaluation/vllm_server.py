@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Sequence
@@ -54,7 +55,7 @@ class VllmServer:
     Args:
         target, spec, host, port, served_model_name, dtype, max_model_len, extra: as ``vllm_server_command``
             (``extra`` default: ``--enforce-eager --max-num-seqs 1``, what the CPU referee runs).
-        log: where the server's output goes (default: ``vllm_server.log`` in the working directory).
+        log: where the server's output goes (default: ``draftsmith-vllm-PORT.log`` in the temp directory).
         timeout_s: longest wait for ``/v1/models`` to answer.
 
     Attributes:
@@ -96,7 +97,7 @@ class VllmServer:
             extra=("--enforce-eager", "--max-num-seqs", "1") if extra is None else extra,
         )
         self.url = f"http://{host}:{port}"
-        self.log = Path(log or "vllm_server.log")
+        self.log = Path(log or Path(tempfile.gettempdir()) / f"draftsmith-vllm-{port}.log")
         self.timeout_s = timeout_s
         self.process: subprocess.Popen | None = None
 

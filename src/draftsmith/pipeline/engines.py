@@ -102,14 +102,18 @@ def serve_with_vllm(
     max_model_len: int | None = None,
     allow_mismatch: Sequence[str] = (),
     extra: Sequence[str] = (),
-    log: str | Path = "vllm_server.log",
+    log: str | Path | None = None,
 ) -> int:
     """Check, launch vLLM's OpenAI server, certify it when the head has a trace for this k, and wait for it.
 
     Returns vLLM's exit status (0 after SIGINT / SIGTERM stopped it). Raises what ``check_drafter`` or
     ``VllmServer`` raise (a refused head, no vLLM venv, a server that does not start)."""
+    import tempfile
+
     from draftsmith.evaluation.certify import TRACE_FILE, certify, read_trace
     from draftsmith.evaluation.vllm_server import VllmServer
+
+    log = Path(log or Path(tempfile.gettempdir()) / f"draftsmith-vllm-{port}.log")
 
     vllm_spec = None
     if spec is not None:
