@@ -64,33 +64,33 @@ def tiny_target(arch: str, vocab_size: int, head_dim: int = 16):
 ARCHS = ["qwen2", "mistral", "qwen3_moe", "gemma3_text"]
 
 
+def arch_recipe(tmp_path, arch: str, target: str, *overrides: str) -> Recipe:
+    """A small EAGLE-3 recipe on ``target``: 12 reference conversations, k = 3 (``overrides`` last)."""
+    common = [
+        f"out_dir={tmp_path}",
+        f"name={arch}",
+        f"target.name_or_path={target}",
+        "data.num_conversations=12",
+        "data.heldout_conversations=0",
+        "data.regenerate=false",
+        "data.max_length=1024",
+        "data.draft_vocab_size=128",
+        "drafter.num_speculative_tokens=3",
+        "drafter.ttt_steps=3",
+        "train.batch_size=4",
+        "train.threads=1",
+    ]
+    return load_config(Recipe, None, common + list(overrides))
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_capture_train_export_check_and_serve(arch, tmp_path, chatml):
     target = tiny_target(arch, len(chatml))
-    recipe = load_config(
-        Recipe,
-        None,
-        [
-            f"out_dir={tmp_path}",
-            f"name={arch}",
-            "target.name_or_path=tiny",
-            "data.num_conversations=12",
-            "data.heldout_conversations=0",
-            "data.regenerate=false",
-            "data.max_length=1024",
-            "data.draft_vocab_size=128",
-            "drafter.num_speculative_tokens=3",
-            "drafter.ttt_steps=3",
-            "train.max_steps=3",
-            "train.batch_size=4",
-            "train.epochs=1",
-            "train.threads=1",
-            "train.mode=offline",
-        ],
-    )
+    recipe = arch_recipe(tmp_path, arch, "tiny", "train.max_steps=3", "train.epochs=1", "train.mode=offline")
     head = run_train(recipe, target, chatml)  # offline capture, training, export, golden trace
-    report = check_export(head, target, chatml, "tiny")
-    assert report.ok if hasattr(report, "ok") else True
+    assert (tmp_path / arch / "capture").is_dir()  # the shards it trained on
+    report = check_export(head, target, chatml, "tiny")  # raises on any mismatch
+    assert report.record()["overridden"] == []
     engine = Engine(target, chatml, {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3})
     prompts = [chatml("def add(a, b):").input_ids, chatml("Hello there, how").input_ids]
     cfgs = [GenerationConfig(max_new_tokens=n) for n in (16, 10)]
@@ -139,27 +139,8 @@ def test_vllm_referee_per_architecture(arch, tmp_path, chatml, vllm_opted_in):  
 
     target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
     chatml = AutoTokenizer.from_pretrained(target_dir)  # as both engines load it (its identity is what is checked)
-    recipe = load_config(
-        Recipe,
-        None,
-        [
-            f"out_dir={tmp_path}",
-            f"name={arch}",
-            f"target.name_or_path={target_dir}",
-            "data.num_conversations=12",
-            "data.heldout_conversations=0",
-            "data.regenerate=false",
-            "data.max_length=1024",
-            "data.draft_vocab_size=128",
-            "drafter.num_speculative_tokens=3",
-            "drafter.ttt_steps=3",
-            "train.max_steps=30",
-            "train.epochs=10",
-            "train.batch_size=4",
-            "train.threads=1",
-            "export.formats=[draftsmith]",
-            "export.trace=false",
-        ],
+    recipe = arch_recipe(
+        tmp_path, arch, target_dir, "train.max_steps=30", "train.epochs=10", "export.formats=[draftsmith]"
     )
     head = run_train(recipe, target, chatml)
     prompts = [chatml("def add(a, b):").input_ids, chatml("Hello there, how").input_ids]
