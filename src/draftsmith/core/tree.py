@@ -10,10 +10,10 @@ ancestors and itself only (``ancestor_mask``), as SpecInfer (Miao et al. 2024, "
 Verification walks down from the root: at each node, the next token (the target's argmax, or a rejection-sampled
 token) either matches one of its children, which is then accepted and the walk goes on from it, or it is emitted
 as the step's last token. The accepted path is a root-to-node chain; the target's and the drafter's caches keep
-its entries only. Counters (``SpecStats``) count one draft of N nodes per step, the accepted path's length as
-the accepted tokens, and per depth d the steps whose path reached depth d + 1: vLLM counts a static tree's
-drafts the same way (``num_draft_tokens`` = the tree's nodes, ``vllm/v1/spec_decode/metrics.py``), SGLang
-reports ``accept_length`` = τ - 1 per step.
+its entries only. Counters (``SpecStats``) count one draft of N nodes per step (``num_draft_tokens``: the tokens
+the step verified, as vLLM's ``vllm/v1/spec_decode/metrics.py`` counts a draft's tokens), the accepted path's
+length as the accepted tokens, and per depth d the steps whose path reached depth d + 1; SGLang reports
+``accept_length`` = τ - 1 per step.
 """
 
 from __future__ import annotations
