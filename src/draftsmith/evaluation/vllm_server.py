@@ -12,11 +12,13 @@ most of the machine's memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -153,6 +155,24 @@ class VllmServer:
             self.process.wait()
         except ProcessLookupError:
             pass
+
+    def signal_stop(self, grace_s: float = 20) -> None:
+        """From a signal handler: SIGTERM to the server's process group, SIGKILL after ``grace_s`` if it is still
+        there; never waits (the interrupted main thread may be inside ``process.wait`` already, holding its lock)."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pid = self.process.pid
+
+        def kill() -> None:
+            if self.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)
+
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        timer = threading.Timer(grace_s, kill)
+        timer.daemon = True
+        timer.start()
 
     def __enter__(self) -> "VllmServer":
         return self.start()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import gc
 import logging
 import signal
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -132,9 +131,11 @@ def serve_with_vllm(
         log=log,
     )
 
-    def stop(signum, _frame):
-        server.stop()
-        sys.exit(0)
+    stopped = []
+
+    def stop(signum, _frame):  # forwarded to vLLM; the main thread's wait below then returns
+        stopped.append(signum)
+        server.signal_stop()
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -154,7 +155,8 @@ def serve_with_vllm(
                     f"--k {spec.num_speculative_tokens})",
                     flush=True,
                 )
-        return server.process.wait()
+        code = server.process.wait()
+        return 0 if stopped else code
     finally:
         server.stop()
         for s, handler in previous.items():
