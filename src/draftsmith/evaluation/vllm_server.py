@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Sequence
 
-from draftsmith.evaluation.vllm_venv import vllm_python
+from draftsmith.evaluation.vllm_venv import vllm_env, vllm_python
 
 
 def vllm_server_command(
@@ -106,14 +106,7 @@ class VllmServer:
     def start(self) -> "VllmServer":
         import httpx
 
-        env = {
-            **os.environ,
-            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-            "TOKENIZERS_PARALLELISM": "false",
-            "VLLM_NO_USAGE_STATS": "1",
-        }
-        for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
-            env.pop(name, None)
+        env = vllm_env()
         with open(self.log, "w") as out:
             self.process = subprocess.Popen(
                 self.argv,

@@ -15,6 +15,22 @@ VLLM_VENV = Path(
 )
 
 
+def vllm_env(**overrides: str) -> dict[str, str]:
+    """The environment a process of the vLLM venv runs in: ours, with a capped CPU KV cache
+    (``VLLM_CPU_KVCACHE_SPACE``, GiB; default 1, where vLLM would take most of the machine), no usage stats, no
+    tokenizer threads, and none of our venv's paths; ``overrides`` last."""
+    env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_NO_USAGE_STATS": "1",
+        **overrides,
+    }
+    for name in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+        env.pop(name, None)
+    return env
+
+
 def vllm_python(venv: Path | None = None) -> Path:
     """The python of ``venv`` (default ``VLLM_VENV``, read at the call)."""
     return Path(venv or VLLM_VENV) / "bin" / "python"
