@@ -13,6 +13,11 @@ torch.set_num_threads(1)
 # (pyproject.toml pythonpath), whatever draftsmith the interpreter has installed
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 os.environ["PYTHONPATH"] = os.pathsep.join([SRC, *filter(None, [os.environ.get("PYTHONPATH")])])
+# adaptive speculation's cost models (serve/costs.py) are cached per test session, never in the user's home
+if "DRAFTSMITH_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["DRAFTSMITH_CACHE"] = tempfile.mkdtemp(prefix="draftsmith-test-cache-")
 
 
 def make_tiny_llama(

@@ -234,14 +234,41 @@ def check_counters(stats: SpecStats) -> None:
     assert 0 <= stats.acceptance_rate <= 1 and 1 <= stats.acceptance_length <= 1 + stats.k
 
 
+class RandomSchedule:
+    """A step policy (``core.batch.StepPolicy``) drafting a random k in 0..k_max each step (0 half the time), from
+    its own seeded generator: a function of nothing the drafts hold, as adaptive speculation's choice must be, so
+    every output invariant holds under it; it exercises plain steps, deferred accepts and catch-up."""
+
+    def __init__(self, k_max: int, seed: int = 0):
+        self.k_max, self.generator = k_max, torch.Generator().manual_seed(seed)
+        self.chosen: list[int] = []
+
+    def new_request(self):
+        return None
+
+    def choose(self, rows):
+        from draftsmith.core.adaptive import Choice
+
+        plain = bool(torch.rand((), generator=self.generator) < 0.5)
+        k = 0 if plain else int(torch.randint(1, self.k_max + 1, (), generator=self.generator))
+        self.chosen.append(k)
+        return Choice(k, 0.0)
+
+    def observe(self, request, num_proposed: int, num_accepted: int) -> None:
+        return None
+
+    def observe_step(self, *args) -> None:
+        return None
+
+
 def run_trials(
-    target, make_proposer, settings: dict, trials: int = TRIALS, k: int = K, tree=None
+    target, make_proposer, settings: dict, trials: int = TRIALS, k: int = K, tree=None, policy=None
 ) -> tuple[torch.Tensor, SpecStats]:
     """Sequences ``[trials, NEW]`` decoded from ``PROMPT`` with target seeds 0..trials-1, and the summed counters.
 
     ``target``: a ``core.target.TargetModel``; ``make_proposer(seed)``: a fresh proposer for the trial seeded
     ``seed`` (drawing with ``settings``), or None for plain sampling. ``tree``: draft trees of that shape
-    (``core.tree.TreeShape``; k is then its depth)."""
+    (``core.tree.TreeShape``; k is then its depth). ``policy``: choose each step's k live (``RandomSchedule``)."""
     from draftsmith.core.generate import GenerationConfig, generate_plain, generate_speculative
 
     k = tree.num_steps if tree is not None else k
@@ -252,14 +279,14 @@ def run_trials(
         if make_proposer is None:
             result = generate_plain(target, PROMPT, cfg)
         else:
-            result = generate_speculative(target, make_proposer(seed), PROMPT, cfg, k, tree=tree)
+            result = generate_speculative(target, make_proposer(seed), PROMPT, cfg, k, tree=tree, policy=policy)
             stats = stats.merge(result.stats)
         out[seed] = torch.tensor(result.tokens)
     return out, stats
 
 
 def run_trials_batched(
-    target, batch_proposer, settings: dict, batch_size: int, trials: int = TRIALS, k: int = K, tree=None
+    target, batch_proposer, settings: dict, batch_size: int, trials: int = TRIALS, k: int = K, tree=None, policy=None
 ) -> tuple[torch.Tensor, SpecStats]:
     """As ``run_trials``, decoded ``batch_size`` trials at a time by the batched runtime (``core.batch``): trial
     ``seed`` samples with target seed ``seed`` and drafter seed ``draft_seed(seed)``; ``batch_proposer`` serves
@@ -279,6 +306,7 @@ def run_trials_batched(
         samplings=samplings,
         max_num_seqs=batch_size,
         tree=tree,
+        policy=policy,
     )
     stats = SpecStats(k=tree.num_steps if tree is not None else k)
     for r in results:

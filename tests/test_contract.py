@@ -11,6 +11,10 @@ Each test is parametrised over ``drafters.names()``; a drafter is served from wh
 - ``refusal``: another target is refused, the error naming the field that differs;
 - ``serve``: the HTTP server answers with the plain text and counts the drafts in /metrics;
 - ``train``: one training step, and a run interrupted after its first checkpoint resumes to the same weights;
+- ``auto``: adaptive speculation (``"num_speculative_tokens": "auto"``): under any schedule of k per step (0 for
+  plain steps included, a function of nothing the drafts hold, as the policy's choice is) greedy equals plain greedy
+  in batches with rows joining, and sampling in batches of 1 and 4 follows the target's law; through the engine
+  (the cost model measured at startup, then cached) greedy equals plain and /metrics shows the chosen k;
 - ``batch``: in the batched runtime (``core.batch``: rows joining and leaving, chunked prefill, a queue), each
   greedy sequence equals plain greedy alone and its counters equal the engine's for it alone; sampling in batches
   of 1, 4 and 16 follows the target's law; a row that stops, hits max_tokens or is cancelled mid-run leaves the
@@ -36,7 +40,7 @@ from draftsmith.core.target import TargetModel
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.serve.engine import Engine
 
-CONTRACTS = ("greedy", "lossless", "export", "refusal", "serve", "train", "batch")
+CONTRACTS = ("greedy", "lossless", "export", "refusal", "serve", "train", "batch", "auto")
 NAMES = drafters.names()
 
 
@@ -219,6 +223,153 @@ def test_batched_sampling_is_lossless(stub, name, batch_size):
     lossless.check_counters(stats)
     assert stats.num_drafts >= lossless.TRIALS and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     lossless.check_lossless(seqs, plain[1.0], settings)
+
+
+# ------------------------------------------------------------------------------------------------ auto
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("target", list(TARGETS))
+def test_any_k_schedule_keeps_greedy_equal_to_plain(served, target, name):
+    """k drawn at random per step in 0..5 (half the steps plain: the drafter then catches up in one accept), six
+    sequences joining in two waves: each equals plain greedy alone."""
+    import lossless
+
+    honour_opt_out(name, "auto")
+    model, tok, prompts, spec = served(target, name)
+    engine = Engine(model, tok, spec.with_k(5 if name not in ("mlp_speculator", "dflash") else 3))
+    prompts = _varied(prompts)
+    cfgs = [GenerationConfig(max_new_tokens=n, eos_token_ids=engine.eos_token_ids) for n in (24, 8, 16, 24, 12, 20)]
+    plain = [generate_plain(TargetModel(model, tok), p, c).tokens for p, c in zip(prompts, cfgs)]
+    schedule = lossless.RandomSchedule(engine.k, seed=3)
+    decoder = BatchDecoder(
+        engine.target, engine.drafter.new_batch_proposer(), engine.k, max_num_seqs=4, policy=schedule
+    )
+    seqs = [BatchSequence(p, c) for p, c in zip(prompts, cfgs)]
+    for seq in seqs[:3]:
+        decoder.add(seq)
+    decoder.step()
+    decoder.step()
+    for seq in seqs[3:]:
+        decoder.add(seq)
+    decoder.run()
+    for i, seq in enumerate(seqs):
+        assert seq.error is None and seq.result.tokens == plain[i], f"{name} on {target}: sequence {i} differs"
+        assert sum(seq.stats.chosen_k.values()) == seq.forwards - 1  # every verify step recorded its choice
+    assert 0 in schedule.chosen and max(schedule.chosen) > 1
+    assert sum(s.stats.num_drafts for s in seqs) > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("batch_size", [1, 4])
+def test_any_k_schedule_keeps_sampling_lossless(stub, name, batch_size):
+    """Sampling at T = 1 with k drawn at random per step (0 included), alone and in batches of 4: the pair law
+    matches the exact law and plain sampling (``tests/lossless.py``), with drafts accepted and rejected."""
+    import lossless
+
+    honour_opt_out(name, "auto")
+    model, tok, plain, workdir = stub
+    spec = drafters.get(name).example(model, tok, workdir / f"auto-{name}").with_k(lossless.K)
+    engine = Engine(model, tok, spec)
+    settings = {"temperature": 1.0}
+    schedule = lossless.RandomSchedule(lossless.K, seed=batch_size)
+    if batch_size == 1:
+        seqs, stats = lossless.run_trials(
+            engine.target,
+            lambda seed: engine.new_proposer(GenerationConfig(seed=seed, **settings)),
+            settings,
+            policy=schedule,
+        )
+    else:
+        seqs, stats = lossless.run_trials_batched(
+            engine.target, engine.drafter.new_batch_proposer(), settings, batch_size, policy=schedule
+        )
+    lossless.check_counters(stats)
+    assert stats.chosen_k.get(0, 0) > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    lossless.check_lossless(seqs, plain[1.0], settings)
+
+
+class _Logged:
+    """A ``BatchProposer`` that records what ``inner`` proposes (tokens per row, per call)."""
+
+    def __init__(self, inner):
+        self.inner, self.proposed = inner, []
+        self.needs_aux_hidden, self.needs_final_hidden = inner.needs_aux_hidden, inner.needs_final_hidden
+        self.start, self.accept, self.stop, self.name = inner.start, inner.accept, inner.stop, inner.name
+
+    def propose(self, keys, ks):
+        out = self.inner.propose(keys, ks)
+        self.proposed.append([p.tokens.tolist() for p in out])
+        return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deferred_accepts_draft_what_step_by_step_accepts_draft(served, monkeypatch, name):
+    """Plain steps' positions reach the drafter as one accept before its next propose (``core.batch``): its drafts
+    then equal those of a drafter that accepted every step's positions at once (``PENDING_LIMIT`` 1)."""
+    from draftsmith.core import batch
+    from draftsmith.core.adaptive import Choice
+
+    honour_opt_out(name, "auto")
+    model, tok, prompts, spec = served("tiny", name)
+    engine = Engine(model, tok, spec.with_k(3))
+    plan = [0, 0, 0, 3, 0, 0, 2, 3, 0, 0, 0, 0, 3, 1, 0, 3, 3, 3]
+
+    class Schedule:
+        def __init__(self):
+            self.steps = iter(plan)
+
+        def new_request(self):
+            return None
+
+        def choose(self, rows):
+            return Choice(next(self.steps, 3), 0.0)
+
+        def observe(self, *args):
+            return None
+
+        def observe_step(self, *args):
+            return None
+
+    def drafts():
+        proposer = _Logged(engine.drafter.new_batch_proposer())
+        decoder = BatchDecoder(engine.target, proposer, 3, max_num_seqs=2, policy=Schedule())
+        for ids in prompts:
+            decoder.add(BatchSequence(ids, GenerationConfig(max_new_tokens=len(plan) + 4)))
+        decoder.run()
+        return proposer.proposed
+
+    deferred = drafts()
+    monkeypatch.setattr(batch, "PENDING_LIMIT", 1)
+    assert drafts() == deferred, f"{name}: drafts after a deferred accept differ"
+    assert sum(len(t) for call in deferred for t in call) > 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_auto_through_the_engine(served, name):
+    """``"num_speculative_tokens": "auto"``: the engine measures its cost model (then a second engine reads the
+    cached one), greedy equals plain, and /metrics shows the chosen k and the cost model."""
+    from draftsmith.serve import costs
+
+    honour_opt_out(name, "auto")
+    model, tok, prompts, spec = served("tiny", name)
+    engine = Engine(model, tok, spec.with_k("auto"), max_num_seqs=2)
+    assert engine.policy is not None and engine.k == min(8, engine.drafter.max_k or 8)
+    assert engine.spec.to_dict()["num_speculative_tokens"] == "auto"
+    for ids in prompts:
+        cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, eos_token_ids=engine.eos_token_ids)
+        assert engine.generate(ids, cfg).tokens == generate_plain(TargetModel(model, tok), ids, cfg).tokens
+    metrics = engine.metrics.render().decode()
+    counts = [line for line in metrics.splitlines() if line.startswith("draftsmith:spec_decode_chosen_k_count")]
+    assert counts and float(counts[0].split()[-1]) > 0
+    assert 'draftsmith:cost_model_verify_seconds{batch_size="2",tokens_per_row="1"}' in metrics
+    measured = costs.profile_costs
+    try:
+        costs.profile_costs = None  # a second engine must read the cache, not measure
+        again = Engine(model, tok, spec.with_k("auto"), max_num_seqs=2)
+    finally:
+        costs.profile_costs = measured
+    assert again.policy.cost.to_dict() == engine.policy.cost.to_dict()
 
 
 class _EndAt(Exception):

@@ -20,6 +20,10 @@ def test_vllm_gets_vllms_keys_and_no_tree():
     tree = SpeculativeConfig("eagle3", "runs/HEAD", None, {}, "topk=2,num_steps=3,num_draft_tokens=6")
     with pytest.raises(ValueError, match="chains only"):
         vllm_speculative_config(tree)
+    auto = SpeculativeConfig("ngram", None, "auto")
+    for engine in (vllm_speculative_config, lambda s: sglang_command("t", s)):
+        with pytest.raises(ValueError, match="takes an integer k"):
+            engine(auto)
 
 
 def test_sglang_command_for_chains_trees_and_what_it_does_not_serve():

@@ -54,6 +54,14 @@ def test_rows_take_the_recipe_drafters_k_unless_their_own(tmp_path):
         eval_rows(recipe, None, ["nope"])
 
 
+def test_a_k_sweep_makes_a_row_per_value(tmp_path):
+    recipe = recipe_with(tmp_path, "drafter.num_speculative_tokens=3", "eval.drafters={long: {method: ngram}}")
+    rows = eval_rows(recipe, None, ["long"], [1, 3, "auto"])
+    assert list(rows) == ["long@k1", "long@k3", "long@auto"]
+    assert rows["long@auto"].adaptive and rows["long@k3"].num_speculative_tokens == 3
+    assert list(eval_rows(recipe, None, ["long"], ["auto"])) == ["long"] and eval_rows(recipe, None, ["long"], "auto")
+
+
 def test_drafter_cli_argument():
     import argparse
 

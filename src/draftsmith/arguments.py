@@ -53,6 +53,17 @@ def int_at_least(low: int) -> Callable[[str], int]:
 positive_int = int_at_least(1)
 
 
+def k_value(text: str) -> "int | str":
+    """An argparse type: num_speculative_tokens, an integer >= 1 or ``auto`` (adaptive speculation)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a k: pass an integer >= 1 or 'auto'") from None
+    return positive_int(text)
+
+
 def non_negative_float(text: str) -> float:
     """An argparse type: a finite float >= 0 (temperatures)."""
     try:

@@ -433,7 +433,14 @@ def build_parser() -> argparse.ArgumentParser:
         "(repeatable; added to the recipe's eval.drafters)",
     )
     p.add_argument("--tasks", nargs="+", default=None, choices=TASK_NAMES)
-    p.add_argument("--k", type=arg.positive_int, default=None)
+    p.add_argument(
+        "--k",
+        type=arg.k_value,
+        nargs="+",
+        default=None,
+        help="num_speculative_tokens of every chain row: an integer or auto (adaptive); several values make a "
+        "row per value (ROW@k3, ROW@auto)",
+    )
     p.add_argument(
         "--tree",
         type=_tree_shape,

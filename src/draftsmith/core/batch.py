@@ -15,6 +15,15 @@ One ``BatchDecoder.step()``:
      (``BatchKVCache.commit``: per-row rollback), records its counters and appends its tokens through the same
      stop rules as one sequence (``sequence.Emitted``).
 
+With a ``policy`` (``core.adaptive.AdaptivePolicy``: ``"num_speculative_tokens": "auto"``) step 3 first chooses one
+k for the batch (0 allowed: a plain step) from the rows' live acceptance estimates and the measured cost model, and
+each row's verify outcome updates its estimate. A row that drafts nothing in a step does not call the proposer:
+its verified positions wait (``BatchSequence.pending``) and reach ``BatchProposer.accept`` as ONE call, before the
+row's next ``propose`` (or once ``PENDING_LIMIT`` tokens wait): several plain steps are one context extension of
+n + 1 positions, which every proposer reads as after a verify step that accepted n drafts. So a plain step costs
+the drafter nothing, and a drafter catches up in one forward when drafting resumes. Accepts are deferred so for
+every row (a fixed k too): the accept of a row's last step, after which it leaves, is never made.
+
 With a ``tree`` (``core.tree.TreeShape``) each running row drafts a tree instead (``BatchProposer.propose_tree``):
 the verify forward reads [last token_b, its nodes] with ancestor-only attention (``BatchKVCache.begin``), each row
 walks its tree (``verify_tree_greedy`` / ``verify_tree_sampling``), the cache keeps the root and the accepted path
@@ -33,10 +42,11 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
+from draftsmith.core.adaptive import Choice
 from draftsmith.core.batch_cache import BatchKVCache
 from draftsmith.core.proposer import BatchProposer, Proposal, Sampling
 from draftsmith.core.sampling import draft_seed, seeded_generator
@@ -51,7 +61,7 @@ from draftsmith.core.sequence import (
     check_proposal,
     next_token,
 )
-from draftsmith.core.target import TargetModel, TargetStep
+from draftsmith.core.target import BatchTargetStep, TargetModel, TargetStep
 from draftsmith.core.tree import (
     TreeShape,
     depths,
@@ -64,6 +74,25 @@ from draftsmith.core.verify import verify_greedy, verify_sampling
 
 _keys = itertools.count()
 PREFILL_PADDING = 1.25  #: newcomers are prefilled together while padding adds at most 25% to their tokens
+PENDING_LIMIT = 32  #: a row's deferred positions reach its proposer once this many wait (bounded memory)
+
+
+class StepPolicy(Protocol):
+    """What ``BatchDecoder`` asks each step when the amount to draft is chosen live (``core.adaptive``)."""
+
+    def new_request(self) -> object:
+        """Per-request state, kept in ``BatchSequence.estimate``."""
+
+    def choose(self, rows: Sequence[tuple[object, int]]) -> Choice:
+        """k for this step, given each running row's (state, most drafts it may ask for)."""
+
+    def observe(self, request: object, num_proposed: int, num_accepted: int) -> None:
+        """One row's verify outcome: the depth it drafted and the drafts accepted."""
+
+    def observe_step(
+        self, batch_size: int, tokens_per_row: int, drafting: int, k: int, verify_s: float, draft_s: float
+    ) -> None:
+        """One step's measured seconds: the verify forward (rows, padded tokens per row) and the proposer."""
 
 
 @dataclass(eq=False)
@@ -90,6 +119,9 @@ class BatchSequence:
             (``BatchDecoder.add``, unless the caller set it earlier), when its first prefill chunk was read, when
             its first and its latest tokens were emitted, when it ended (None until then); the engine's metrics
             read them (vLLM's QUEUED / SCHEDULED / NEW_TOKENS events, ``vllm/v1/metrics/stats.py``).
+        estimate: the decoder policy's per-request state (``core.adaptive.AcceptanceEstimate``), or None.
+        pending: verified positions not yet given to the proposer: (emitted ``[n+1]``, aux ``[n+1, 3H]`` or None,
+            final ``[n+1, H]`` or None) per step since its last ``accept`` (module docstring).
     """
 
     prompt_ids: object
@@ -124,6 +156,8 @@ class BatchSequence:
         self.generator: torch.Generator | None = None
         self.started = False  # joined the running batch (proposer started)
         self.start_s = 0.0  # seconds of proposer.start, reported with the first verify step
+        self.estimate: object | None = None
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
 
     @property
     def tokens(self) -> list[int]:
@@ -151,10 +185,12 @@ class BatchDecoder:
             runs).
         tree: draft trees of this shape instead of chains of k (``core.tree.TreeShape``; counters then run over
             ``tree.num_steps`` depths); None: chains.
+        policy: chooses each step's k (at most k, a tree's depth at most its ``num_steps``) for the batch
+            (``core.adaptive.AdaptivePolicy``); None: every row drafts k each step.
 
     Raises:
         ValueError: k < 0, max_num_seqs < 1, max_num_batched_tokens < 1, a proposer reading aux states of
-            a target built without ``aux_layer_ids``, or a tree without a proposer.
+            a target built without ``aux_layer_ids``, or a tree or a policy without a proposer.
     """
 
     def __init__(
@@ -166,6 +202,7 @@ class BatchDecoder:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         tree: TreeShape | None = None,
+        policy: StepPolicy | None = None,
     ):
         if k < 0:
             raise ValueError(f"k must be >= 0, got {k}")
@@ -180,7 +217,9 @@ class BatchDecoder:
             )
         if tree is not None and proposer is None:
             raise ValueError("a draft tree needs a proposer (plain decoding drafts nothing)")
-        self.target, self.proposer, self.tree = target, proposer, tree
+        if policy is not None and proposer is None:
+            raise ValueError("adaptive speculation needs a proposer (plain decoding drafts nothing)")
+        self.target, self.proposer, self.tree, self.policy = target, proposer, tree, policy
         self.k = (tree.num_steps if tree is not None else k) if proposer is not None else 0
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.final_hidden = bool(proposer is not None and proposer.needs_final_hidden)
@@ -198,6 +237,8 @@ class BatchDecoder:
         if seq.queued_s is None:
             seq.queued_s = time.perf_counter()
         seq.stats = SpecStats(k=self.k) if self.proposer is not None else None
+        if self.policy is not None:
+            seq.estimate = self.policy.new_request()
         if seq.out.finish_reason:  # max_new_tokens 0
             self._finish(seq)
         else:
@@ -224,7 +265,7 @@ class BatchDecoder:
                 self.proposer.stop(seq.key)
             if not seq.done:
                 seq.error, seq.done = error, True
-            seq.cache = None
+            seq.cache, seq.pending = None, []
         self.running, self.waiting = [], []
         self.cache = BatchKVCache(self.target.model.config)
         return ended
@@ -259,7 +300,7 @@ class BatchDecoder:
         seq.done = True
         if seq.finished_s is None:
             seq.finished_s = time.perf_counter()
-        seq.cache = None
+        seq.cache, seq.pending = None, []
         seq.aux_chunks, seq.final_chunks = [], []
         if seq.error is None:
             seq.result = GenerationResult(list(seq.tokens), seq.finish_reason, seq.stats, seq.forwards)
@@ -381,21 +422,28 @@ class BatchDecoder:
     def _decode(self) -> list[BatchSequence]:
         """One verify step over every running row (module docstring, step 3)."""
         rows = self.running
-        keys = [s.key for s in rows]
-        ks = [self._requested(s) for s in rows]
-        t0 = time.perf_counter()
-        if self.proposer is not None:
-            if self.tree is not None:
-                proposals = self.proposer.propose_tree(keys, self.tree, ks)
-            else:
-                proposals = self.proposer.propose(keys, ks)
-            if len(proposals) != len(rows):
-                raise ValueError(
-                    f"{type(self.proposer).__name__}.propose returned {len(proposals)} proposals for {len(rows)} rows"
-                )
-            proposals = [self._check(p, k) for p, k in zip(proposals, ks)]
+        caps = [self._requested(s) for s in rows]
+        if self.policy is not None:
+            choice = self.policy.choose([(s.estimate, cap) for s, cap in zip(rows, caps)])
+            ks = [min(choice.k, cap) for cap in caps]
         else:
-            proposals = [Proposal.empty() for _ in rows]
+            ks = caps
+        t0 = time.perf_counter()
+        proposals = [Proposal.empty() for _ in rows]
+        drafting = [b for b, k in enumerate(ks) if k > 0] if self.proposer is not None else []
+        if drafting:
+            self._flush([rows[b] for b in drafting])
+            keys, wanted = [rows[b].key for b in drafting], [ks[b] for b in drafting]
+            if self.tree is not None:
+                got = self.proposer.propose_tree(keys, self.tree, wanted)
+            else:
+                got = self.proposer.propose(keys, wanted)
+            if len(got) != len(drafting):
+                raise ValueError(
+                    f"{type(self.proposer).__name__}.propose returned {len(got)} proposals for {len(drafting)} rows"
+                )
+            for b, p in zip(drafting, got):
+                proposals[b] = self._check(p, ks[b])
         t1 = time.perf_counter()
         inputs = [torch.cat([torch.tensor(s.tokens[-1:]), p.tokens.cpu()]) for s, p in zip(rows, proposals)]
         trees = [p.parents for p in proposals] if any(p.is_tree for p in proposals) else None
@@ -422,20 +470,29 @@ class BatchDecoder:
         self.cache.commit(kept)
         t2 = time.perf_counter()
         if self.proposer is not None:
-            self.proposer.accept(keys, ns, emitted, step if trees is None else step.gather(kept))
+            self._defer(rows, ns, emitted, step if trees is None else step.gather(kept))
         t3 = time.perf_counter()
+        if self.policy is not None:
+            tokens = 1 + max(p.tokens.numel() for p in proposals)
+            self.policy.observe_step(len(rows), tokens, len(drafting), max(ks), t2 - t1, (t1 - t0) + (t3 - t2))
         ended = []
-        for seq, p, n, out, rank in zip(rows, proposals, ns, emitted, ranks):
+        for seq, p, k, n, out, rank in zip(rows, proposals, ks, ns, emitted, ranks):
             seq.forwards += 1
             if seq.stats is not None and rank is not None:
                 seq.stats.record_tree(p.tokens.numel(), rank)
             elif seq.stats is not None:
                 seq.stats.record(p.tokens.numel(), n)
+            if self.policy is not None:
+                depth = int(depths(p.parents).max()) if p.is_tree and p.tokens.numel() else p.tokens.numel()
+                self.policy.observe(seq.estimate, depth, n)
+                seq.stats.record_choice(k)
             if seq.on_step is not None:
                 draft_s = (t1 - t0) + (t3 - t2) + seq.start_s
                 seq.start_s = 0.0
                 try:
-                    seq.on_step(VerifyStep(int(p.tokens.numel()), n, out.tolist(), draft_s, t2 - t1))
+                    seq.on_step(
+                        VerifyStep(int(p.tokens.numel()), n, out.tolist(), draft_s, t2 - t1, k if self.policy else None)
+                    )
                 except Exception as e:  # noqa: BLE001 - ends this row only
                     seq.error = e
                     self._finish(seq)
@@ -444,6 +501,33 @@ class BatchDecoder:
             if self._emit(seq, out.tolist()):
                 ended.append(seq)
         return ended
+
+    def _defer(self, rows: list[BatchSequence], ns: list[int], emitted: list[torch.Tensor], step) -> None:
+        """Keep each row's verified positions (rows 0..n of ``step``, a chain's layout) for its next ``accept``;
+        rows with ``PENDING_LIMIT`` positions waiting are flushed now."""
+        for b, (seq, n, out) in enumerate(zip(rows, ns, emitted)):
+            aux = step.aux_hidden[b, : n + 1] if step.aux_hidden is not None else None
+            final = step.final_hidden[b, : n + 1] if step.final_hidden is not None else None
+            seq.pending.append((out[: n + 1], aux, final))
+        full = [s for s in rows if sum(e.numel() for e, _, _ in s.pending) >= PENDING_LIMIT]
+        if full:
+            self._flush(full)
+
+    def _flush(self, seqs: list[BatchSequence]) -> None:
+        """ONE ``proposer.accept`` over the positions waiting in each of ``seqs`` (module docstring)."""
+        seqs = [s for s in seqs if s.pending]
+        if not seqs:
+            return
+        emitted, auxes, finals = [], [], []
+        for seq in seqs:
+            parts = seq.pending
+            emitted.append(torch.cat([e for e, _, _ in parts]))
+            auxes.append(torch.cat([a for _, a, _ in parts]) if parts[0][1] is not None else None)
+            finals.append(torch.cat([f for _, _, f in parts]) if parts[0][2] is not None else None)
+            seq.pending = []
+        counts = [e.numel() for e in emitted]
+        step = BatchTargetStep(None, _padded(auxes, max(counts)), _padded(finals, max(counts)), counts)
+        self.proposer.accept([s.key for s in seqs], [c - 1 for c in counts], emitted, step)
 
     def _check(self, proposal: Proposal, requested: int) -> Proposal:
         """``check_proposal``, and for a tree: at most the shape's nodes, at most ``requested`` deep."""
@@ -471,6 +555,16 @@ class BatchDecoder:
         return verify_tree_sampling(p.tokens, p.parents, seq.cfg.probs(logits), seq.generator)
 
 
+def _padded(rows: list[torch.Tensor | None], t: int) -> torch.Tensor | None:
+    """``[B, t, D]``: each ``[t_b, D]`` row zero-padded to ``t`` (None when the rows are None)."""
+    if rows[0] is None:
+        return None
+    out = rows[0].new_zeros(len(rows), t, rows[0].shape[-1])
+    for b, x in enumerate(rows):
+        out[b, : x.shape[0]] = x
+    return out
+
+
 def generate_batch(
     target: TargetModel,
     proposer: BatchProposer | None,
@@ -482,13 +576,15 @@ def generate_batch(
     max_num_seqs: int = 64,
     max_num_batched_tokens: int = 2048,
     tree: TreeShape | None = None,
+    policy: StepPolicy | None = None,
 ) -> list[GenerationResult]:
     """Decode ``prompts`` together (at most ``max_num_seqs`` at once); results in prompt order.
 
     Args:
         prompts: ``[T_i]`` token ids each. cfgs: one ``GenerationConfig`` for all, or one per prompt.
         samplings: the drafter's ``Sampling`` per prompt (default: each cfg's, seeded ``draft_seed(cfg.seed)``).
-        tree: draft trees of this shape instead of chains (``BatchDecoder``).
+        tree: draft trees of this shape instead of chains (``BatchDecoder``). policy: choose each step's k live
+            (``BatchDecoder``; ``core.adaptive.AdaptivePolicy``).
 
     Raises:
         ValueError: as ``BatchDecoder``; or the first error a row's decoding raised (none here: no callbacks).
@@ -497,7 +593,13 @@ def generate_batch(
     if len(cfgs) != len(prompts):
         raise ValueError(f"{len(prompts)} prompts but {len(cfgs)} generation configs")
     decoder = BatchDecoder(
-        target, proposer, k, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, tree=tree
+        target,
+        proposer,
+        k,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        tree=tree,
+        policy=policy,
     )
     seqs = [
         decoder.add(BatchSequence(p, c, samplings[i] if samplings is not None else None))

@@ -62,6 +62,7 @@ def generate_speculative(
     on_tokens: Callable[[list[int]], None] | None = None,
     on_step: Callable[[VerifyStep], None] | None = None,
     tree: TreeShape | None = None,
+    policy=None,
 ) -> GenerationResult:
     """Speculative decoding: the proposer drafts up to k tokens, one target forward verifies them.
 
@@ -87,6 +88,8 @@ def generate_speculative(
             counts spec-decode metrics, eval times the drafter and the referee records every step.
         tree: draft a tree of this shape per step instead of a chain of k (``Proposer.propose_tree``, verified
             by ``core.tree``); k is then ignored and the counters run over ``tree.num_steps`` depths.
+        policy: choose each step's k (at most k; a tree's depth) live (``core.adaptive.AdaptivePolicy``, shared
+            across sequences as an engine shares it); None: k every step.
 
     Returns:
         ``GenerationResult`` with ``SpecStats`` over k positions.
@@ -96,16 +99,22 @@ def generate_speculative(
             limit, a proposer needing aux states with a target that has no ``aux_layer_ids``, or a proposal
             breaking the ``Proposer`` contract.
     """
-    return _decode_one(target, PerSequence.of(proposer), prompt_ids, cfg, k, on_tokens, on_step, tree)
+    return _decode_one(target, PerSequence.of(proposer), prompt_ids, cfg, k, on_tokens, on_step, tree, policy)
 
 
-def _decode_one(target, proposer, prompt_ids, cfg, k, on_tokens, on_step, tree=None) -> GenerationResult:
+def _decode_one(target, proposer, prompt_ids, cfg, k, on_tokens, on_step, tree=None, policy=None) -> GenerationResult:
     """One sequence through the batch decoder, its whole prompt prefilled at once; a callback's exception
     propagates."""
     prompt = as_prompt(prompt_ids)
     reads = max(k, tree.num_draft_tokens if tree is not None else 0)
     decoder = BatchDecoder(
-        target, proposer, k, max_num_seqs=1, max_num_batched_tokens=prompt.numel() + reads + 1, tree=tree
+        target,
+        proposer,
+        k,
+        max_num_seqs=1,
+        max_num_batched_tokens=prompt.numel() + reads + 1,
+        tree=tree,
+        policy=policy,
     )
     seq = decoder.add(BatchSequence(prompt, cfg, on_tokens=on_tokens, on_step=on_step))
     decoder.run()

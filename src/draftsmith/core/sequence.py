@@ -114,6 +114,8 @@ class SpecStats:
             whose accepted path reached depth i + 1).
         accepted_paths: trees only: rank path (``core.tree.path_ranks``) -> drafts whose accepted path went
             through it, every prefix of each accepted path counted (``core.tree.best_static_tree`` reads it).
+        chosen_k: adaptive speculation only (``core.adaptive``): k chosen -> verify steps that chose it (0: a plain
+            step), before max_new_tokens capped it.
     """
 
     k: int
@@ -122,6 +124,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     accepted_paths: dict[tuple[int, ...], int] = field(default_factory=dict)
+    chosen_k: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self):
         if not self.accepted_per_pos:
@@ -136,6 +139,16 @@ class SpecStats:
         self.num_accepted_tokens += num_accepted
         for i in range(num_accepted):
             self.accepted_per_pos[i] += 1
+
+    def record_choice(self, k: int) -> None:
+        """Count one verify step whose k was chosen live (``core.adaptive``)."""
+        self.chosen_k[k] = self.chosen_k.get(k, 0) + 1
+
+    @property
+    def mean_chosen_k(self) -> float | None:
+        """Mean k chosen per step (None without adaptive speculation)."""
+        steps = sum(self.chosen_k.values())
+        return sum(k * n for k, n in self.chosen_k.items()) / steps if steps else None
 
     def record_tree(self, num_nodes: int, ranks: tuple[int, ...]) -> None:
         """Count one tree verify step over ``num_nodes`` nodes whose accepted path has sibling ranks ``ranks``
@@ -159,6 +172,9 @@ class SpecStats:
             accepted_paths={
                 path: self.accepted_paths.get(path, 0) + other.accepted_paths.get(path, 0)
                 for path in {**self.accepted_paths, **other.accepted_paths}
+            },
+            chosen_k={
+                k: self.chosen_k.get(k, 0) + other.chosen_k.get(k, 0) for k in sorted({*self.chosen_k, *other.chosen_k})
             },
         )
 
@@ -304,8 +320,10 @@ class VerifyStep:
         proposed: drafts verified (k' <= k; 0 when the proposer had nothing: the step decoded one token).
         accepted: n, drafts accepted.
         emitted: d1..dn and the target's token, before the stop rules trimmed them (vLLM counts outcomes so).
-        draft_s: seconds inside the proposer for this step (propose and accept; the first step also start).
+        draft_s: seconds inside the proposer for this step (propose and the accept of earlier steps' positions,
+            ``core.batch``; the first step also start).
         verify_s: seconds of the target forward and verification.
+        k: the k adaptive speculation chose for this step (``core.adaptive``; 0: a plain step), None otherwise.
     """
 
     proposed: int
@@ -313,3 +331,4 @@ class VerifyStep:
     emitted: list[int]
     draft_s: float
     verify_s: float
+    k: int | None = None

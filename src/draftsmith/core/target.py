@@ -72,14 +72,15 @@ class TargetStep:
     """What one target forward over ``T_new`` tokens returns.
 
     Attributes:
-        logits: ``[T_new, V]`` float32; row t is the next-token logits after reading token t.
+        logits: ``[T_new, V]`` float32; row t is the next-token logits after reading token t (None in what a
+            proposer's ``accept`` gets: ``BatchTargetStep``).
         aux_hidden: ``[T_new, len(aux_layer_ids) * H]`` (``[T_new, 3H]`` for EAGLE-3) in the model's
             dtype, low→mid→high; ``None`` when the target was built without ``aux_layer_ids``.
         final_hidden: ``[T_new, H]`` in the model's dtype, the lm_head input (post final norm) of each row;
             ``None`` unless the forward was asked for it (``final_hidden=True``).
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     aux_hidden: torch.Tensor | None = None
     final_hidden: torch.Tensor | None = None
 
@@ -89,13 +90,15 @@ class BatchTargetStep:
     """What one target forward over a batch returns: row b read ``counts[b]`` new tokens (padded to T).
 
     Attributes:
-        logits: ``[B, T, V]`` float32; ``logits[b, t]`` follows row b's token t (rows past counts[b]: padding).
+        logits: ``[B, T, V]`` float32; ``logits[b, t]`` follows row b's token t (rows past counts[b]: padding). None
+            in what a proposer's ``accept`` gets (``core.batch`` defers accepts and keeps no logits: no proposer
+            reads them there).
         aux_hidden: ``[B, T, 3H]`` or None; final_hidden: ``[B, T, H]`` or None (as ``TargetStep``).
         counts: ``[B]`` rows of logits / final_hidden per sequence (its new tokens; 1 after a ``last_only``
             forward). aux_counts: ``[B]`` rows of aux_hidden per sequence (default: ``counts``).
     """
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     aux_hidden: torch.Tensor | None
     final_hidden: torch.Tensor | None
     counts: list[int]
@@ -131,7 +134,7 @@ class BatchTargetStep:
         n = self.counts[b]
         n_aux = n if self.aux_counts is None else self.aux_counts[b]
         return TargetStep(
-            logits=self.logits[b, :n],
+            logits=None if self.logits is None else self.logits[b, :n],
             aux_hidden=None if self.aux_hidden is None else self.aux_hidden[b, :n_aux],
             final_hidden=None if self.final_hidden is None else self.final_hidden[b, :n],
         )

@@ -44,12 +44,15 @@ class LoadedDrafter(abc.ABC):
         spec: the speculative config it was loaded from.
         aux_layer_ids: target hidden-state indices its proposers read (``core.target.TargetModel``), or None.
         trained_depth: how many draft positions it was trained for (EAGLE-3 ``ttt_steps``), or None.
+        max_k: most drafts per step it can make at all (an MLP speculator's ``n_predict``, a DFlash block's
+            ``block_size - 1``), or None (no limit of its own): adaptive speculation drafts at most this.
         modules: its torch modules (for memory and device checks).
     """
 
     spec: SpeculativeConfig
     aux_layer_ids: tuple[int, ...] | None = None
     trained_depth: int | None = None
+    max_k: int | None = None
 
     @abc.abstractmethod
     def new_proposer(self, sampling: Sampling) -> Proposer:

@@ -3,7 +3,8 @@
     spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}')
     spec.method, spec.num_speculative_tokens, spec.options       # 'ngram', 4, {'prompt_lookup_min': 1, ...}
 
-Keys (``vllm/config/speculative.py``): ``method``, ``model``, ``num_speculative_tokens``, draftsmith's ``tree``
+Keys (``vllm/config/speculative.py``): ``method``, ``model``, ``num_speculative_tokens`` (an integer, or draftsmith's
+``"auto"``: adaptive speculation, ``core.adaptive``), draftsmith's ``tree``
 (an EAGLE-2 draft tree, SGLang's ``topk`` / ``num_steps`` / ``num_draft_tokens``: ``core.tree.TreeShape``; its
 ``num_steps`` is then k), and the keys the method's own rules take (``drafters/<name>/config.py`` ``RULES``;
 e.g. ngram's ``prompt_lookup_min`` / ``prompt_lookup_max``). Any other key is refused, naming the keys that
@@ -14,11 +15,12 @@ exported directory's ``draftsmith.json``, else a plain causal LM (the draft-mode
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping
 
 from draftsmith import drafters
+from draftsmith.core.adaptive import AUTO, AUTO_MAX_K
 from draftsmith.core.tree_shape import TreeShape
 from draftsmith.sources import check_head_dir, check_model_source, is_head_dir
 
@@ -49,8 +51,12 @@ class SpeculativeConfig:
         method: a registered drafter (``drafters.REGISTRY``).
         model: what the drafter drafts with (an exported head directory, a draft model's name or folder), or
             None for drafters without a model (n-gram lookup).
-        num_speculative_tokens: k, drafted tokens per verify step (>= 1; required).
+        num_speculative_tokens: k, drafted tokens per verify step (>= 1; required), or ``"auto"``: each step
+            chooses how much to draft (0 allowed) from a measured cost model and live acceptance
+            (``core.adaptive``); the attribute then holds the most a step may draft (``AUTO_MAX_K``, a tree's
+            ``num_steps``; the engine lowers it to the drafter's own limit).
         options: the method's further keys, completed with their defaults (its ``RULES.options``).
+        adaptive: True when ``num_speculative_tokens`` was ``"auto"``.
         tree: draft trees of this shape instead of chains (``core.tree.TreeShape``, or its dict / string), for a
             method whose rules say it drafts trees; ``num_speculative_tokens`` then defaults to (and must equal)
             its ``num_steps``. vLLM's key ``speculative_token_tree`` (a static tree) is read as a tree too, and
@@ -66,8 +72,11 @@ class SpeculativeConfig:
     num_speculative_tokens: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
     tree: Any = None
+    adaptive: bool = False
 
     def __post_init__(self):
+        if self.num_speculative_tokens == AUTO:
+            self.adaptive, self.num_speculative_tokens = True, None
         drafters.check_name(self.method, "speculative config: method")
         rules = drafters.config_module(self.method).RULES
         unknown = sorted(set(self.options) - set(rules.options))
@@ -93,6 +102,11 @@ class SpeculativeConfig:
                 if self.tree.is_static
                 else (self.tree.num_steps, "num_steps, its depth")
             )
+            if self.adaptive and self.tree.is_static:
+                raise ValueError(
+                    "speculative config: num_speculative_tokens 'auto' adapts a dynamic tree's depth; a static "
+                    "tree (speculative_token_tree) has a fixed node set: give a dynamic tree or an integer k"
+                )
             if self.num_speculative_tokens is None:
                 self.num_speculative_tokens = want
             elif self.num_speculative_tokens != want:
@@ -100,13 +114,16 @@ class SpeculativeConfig:
                     f"speculative config: num_speculative_tokens ({self.num_speculative_tokens}) must equal the "
                     f"tree's {what}: {want}; omit one of them"
                 )
+        if self.adaptive and self.num_speculative_tokens is None:
+            self.num_speculative_tokens = AUTO_MAX_K
         k = self.num_speculative_tokens
         if k is None:
             raise ValueError(
-                "speculative config: 'num_speculative_tokens' is required (drafted tokens per step, e.g. 5)"
+                "speculative config: 'num_speculative_tokens' is required (drafted tokens per step, e.g. 5, "
+                'or "auto")'
             )
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"speculative config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+            raise ValueError(f'speculative config: num_speculative_tokens must be an integer >= 1 or "auto", got {k!r}')
         if self.model is not None and not isinstance(self.model, str):
             raise ValueError(f"speculative config: model must be a string, got {self.model!r}")
         if rules.needs_model and self.model is None:
@@ -154,7 +171,8 @@ class SpeculativeConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as vLLM's JSON keys (what ``/v1/models`` shows and a vLLM server would take)."""
-        out = {"method": self.method, "model": self.model, "num_speculative_tokens": self.num_speculative_tokens}
+        k = AUTO if self.adaptive else self.num_speculative_tokens
+        out = {"method": self.method, "model": self.model, "num_speculative_tokens": k}
         if self.tree is not None and self.tree.is_static:
             out["speculative_token_tree"] = self.tree.token_tree()
         elif self.tree is not None:
@@ -166,16 +184,17 @@ class SpeculativeConfig:
         """Drafted tokens along one path per step: k for a chain, a tree's ``num_steps``."""
         return self.tree.num_steps if self.tree is not None else int(self.num_speculative_tokens)
 
-    def with_k(self, k: int) -> "SpeculativeConfig":
-        """The same drafter at another ``num_speculative_tokens``; a tree keeps its own depth (``num_steps``)."""
+    def with_k(self, k: "int | str") -> "SpeculativeConfig":
+        """The same drafter at another ``num_speculative_tokens`` (an integer or ``"auto"``); a tree keeps its own
+        depth (``num_steps``), and ``"auto"`` makes it adapt that depth."""
         if self.tree is not None:
-            return self
+            return replace(self, adaptive=k == AUTO) if k == AUTO or self.adaptive else self
         return SpeculativeConfig(self.method, self.model, k, dict(self.options))
 
     def with_tree(self, tree) -> "SpeculativeConfig":
         """The same drafter drafting trees of shape ``tree`` (a ``TreeShape``, dict or string; None: chains)."""
         shape = TreeShape.parse(tree)
-        k = None if shape is not None else self.num_speculative_tokens
+        k = AUTO if self.adaptive else None if shape is not None else self.num_speculative_tokens
         return SpeculativeConfig(self.method, self.model, k, dict(self.options), shape)
 
 

@@ -72,8 +72,10 @@ from draftsmith.data_pipeline.chat import prompt_ids
 from draftsmith.evaluation.bench_config import (
     BASELINE,
     HF_BASELINE,
+    K_MARK,
     BenchConfig,
     bench_methods,
+    fixed_k,
     speculative_config,
 )
 from draftsmith.models import load_causal_lm
@@ -87,6 +89,8 @@ SPEC_COUNTERS = {
     "drafts": "draftsmith:spec_decode_num_drafts_total",
     "draft_tokens": "draftsmith:spec_decode_num_draft_tokens_total",
     "accepted": "draftsmith:spec_decode_num_accepted_tokens_total",
+    "chosen_k_sum": "draftsmith:spec_decode_chosen_k_sum",  # adaptive speculation only (absent: 0)
+    "chosen_k_count": "draftsmith:spec_decode_chosen_k_count",
 }
 SCHEDULER_GAUGES = {
     "running": "draftsmith:num_requests_running",
@@ -195,6 +199,7 @@ def summarize(
         "tpot_ms": distribution([1e3 * r.tpot_s for r in good if r.tpot_s is not None]),
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
         "tau": 1.0 + accepted / drafts if drafts else None,
+        "mean_chosen_k": counters["chosen_k_sum"] / counters["chosen_k_count"] if counters["chosen_k_count"] else None,
         "counters": counters,
         "peak_running": max((b.peaks["running"] for b in batches if "running" in b.peaks), default=None),
         "peak_waiting": max((b.peaks["waiting"] for b in batches if "waiting" in b.peaks), default=None),
@@ -374,8 +379,8 @@ def format_table(report: dict) -> str:
         head,
         "",
         "| method | c | req/s | out tok/s | TTFT mean / p50 / p99 (ms) | TPOT mean / p50 / p99 (ms) | accept | τ "
-        "| failed | peak running | greedy diff alone / none | speedup | verdict |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| mean k (auto) | failed | peak running | greedy diff alone / none | speedup | verdict |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, method in report["methods"].items():
         for row in method["per_concurrency"]:
@@ -387,7 +392,8 @@ def format_table(report: dict) -> str:
                 f"| {_fmt(ttft['mean'])} / {_fmt(ttft['p50'])} / {_fmt(ttft['p99'])} "
                 f"| {_fmt(tpot['mean'])} / {_fmt(tpot['p50'])} / {_fmt(tpot['p99'])} "
                 f"| {_fmt(row.get('acceptance_rate'), '.1%')} | {_fmt(row.get('tau'), '.2f')} "
-                f"| {row['failed']} | {_fmt(row.get('peak_running'), '.0f')} | {diff} "
+                f"| {_fmt(row.get('mean_chosen_k'), '.2f')} | {row['failed']} "
+                f"| {_fmt(row.get('peak_running'), '.0f')} | {diff} "
                 f"| {'-' if speedup is None else format_speedup(speedup)} "
                 f"| {row.get('verdict', '')} |"
             )
@@ -654,12 +660,15 @@ def hf_peer(
 
     variants = {
         HF_BASELINE: {},
-        "hf:prompt_lookup": {"prompt_lookup_num_tokens": cfg.k, "max_matching_ngram_size": cfg.prompt_lookup_max},
+        "hf:prompt_lookup": {
+            "prompt_lookup_num_tokens": fixed_k(cfg),
+            "max_matching_ngram_size": cfg.prompt_lookup_max,
+        },
     }
     if draft is not None:
         gc = draft.generation_config
         gc.num_assistant_tokens, gc.num_assistant_tokens_schedule, gc.assistant_confidence_threshold = (
-            cfg.k,
+            fixed_k(cfg),
             "constant",
             0.0,
         )
@@ -775,14 +784,23 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
 
     with contextlib.ExitStack() as stack:
         servers: dict[str, tuple[str, str]] = {}
-        engines = {}
+        engines, skipped = {}, {}
         if cfg.urls:
             for url in cfg.urls:
                 label, name = describe_server(url)
                 servers[label if label not in servers else f"{label}@{url}"] = (url.rstrip("/"), name)
         else:
             for method, spec in specs.items():
-                engines[method] = Engine(model, tokenizer, spec, model_name=cfg.target, max_model_len=cfg.max_model_len)
+                try:
+                    engines[method] = Engine(
+                        model, tokenizer, spec, model_name=cfg.target, max_model_len=cfg.max_model_len
+                    )
+                except ValueError as e:  # a k sweep past what this drafter drafts (an MLP speculator's n_predict)
+                    if K_MARK not in method or "num_speculative_tokens" not in str(e):
+                        raise
+                    skipped[method] = str(e)
+                    logger.warning("bench: %s left out: %s", method, e)
+                    continue
                 server = stack.enter_context(BackgroundServer(create_app(engines[method])))
                 servers[method] = (server.url, cfg.target)
         results, alone = asyncio.run(_measure(servers, prompts, cfg))
@@ -808,4 +826,6 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
         "requests_per_batch": [max(len(prompts), c) for c in cfg.concurrency],
         "torch": torch.__version__,
     }
-    return build_report(config, results, reference_texts, reference_info, hf_results)
+    report = build_report(config, results, reference_texts, reference_info, hf_results)
+    report["skipped"] = skipped
+    return report

@@ -16,6 +16,7 @@ from draftsmith.sources import ModelSourceError, check_head_dir, check_model_sou
 
 BASELINE = "none"
 TREE_SUFFIX = "+tree"  #: a method drafting trees of ``BenchConfig.tree``: ``eagle3+tree``
+K_MARK = "@"  #: a k sweep's method names: ``eagle3@k3``, ``eagle3@auto`` (``BenchConfig.k`` with several values)
 
 
 HF_BASELINE = "hf:plain"
@@ -30,9 +31,11 @@ class BenchConfig:
         methods: in-process servers to start: 'none' (no speculation) and drafter names; None = 'none', the
             head's drafter (when ``head`` is an export) and every drafter that needs no trained export.
         urls: running servers to measure instead of starting any (their /v1/models names the method).
-        k: num_speculative_tokens. tree: a draft tree (``core.tree_shape.TreeShape`` text, e.g.
-            ``topk=4,num_steps=5,num_draft_tokens=32``): each method that drafts trees also runs as
-            ``METHOD+tree`` with it (None: chains only).
+        k: num_speculative_tokens: an integer, ``"auto"`` (adaptive speculation), or several of them: each method
+            then runs once per value, named ``METHOD@kK`` / ``METHOD@auto`` (a tree twin: ``METHOD+tree`` at its own
+            depth, and ``METHOD+tree@auto`` when ``auto`` is swept).
+        tree: a draft tree (``core.tree_shape.TreeShape`` text, e.g. ``topk=4,num_steps=5,num_draft_tokens=32``):
+            each method that drafts trees also runs as ``METHOD+tree`` with it (None: chains only).
         head: an exported drafter directory, or several (one per drafter: each is the row of the method its
             draftsmith.json records).
         draft_model: the model of drafters that draft with a plain causal LM, and the HF assistant.
@@ -50,7 +53,7 @@ class BenchConfig:
     target: str = "reference"
     methods: list[str] | None = None
     urls: list[str] = field(default_factory=list)
-    k: int = 5
+    k: "int | str | list" = 5
     tree: str | None = None
     head: str | list[str] | None = "runs/reference-eagle3/head"
     draft_model: str = "reference-draft"
@@ -70,13 +73,36 @@ class BenchConfig:
 
     def __post_init__(self):
         self.concurrency = normalize_concurrency(self.concurrency)
+        values = self.k if isinstance(self.k, (list, tuple)) else [self.k]
+        if not values or any(v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1) for v in values):
+            raise ValueError(f"k {self.k!r}: pass integers >= 1 or 'auto', e.g. --k 1 3 5 8 auto")
+        self.k = values[0] if len(values) == 1 else list(dict.fromkeys(values))
         if self.tree is not None:
             self.tree = str(TreeShape.parse(self.tree))  # refuses a bad shape now
 
 
+def swept_ks(cfg: BenchConfig) -> list:
+    """The k values of a sweep (``cfg.k`` a list), else []."""
+    return list(cfg.k) if isinstance(cfg.k, list) else []
+
+
+def fixed_k(cfg: BenchConfig) -> int:
+    """An integer k for what cannot adapt (the HF peer): ``cfg.k``, a sweep's first integer, else 5."""
+    values = swept_ks(cfg) or [cfg.k]
+    return next((v for v in values if isinstance(v, int)), 5)
+
+
+def method_k(method: str, cfg: BenchConfig) -> "int | str":
+    """The k a bench method runs with: its ``@kK`` / ``@auto`` mark, else ``cfg.k``."""
+    if K_MARK in method:
+        mark = method.split(K_MARK, 1)[1]
+        return "auto" if mark == "auto" else int(mark.removeprefix("k"))
+    return cfg.k
+
+
 def base_method(method: str) -> str:
-    """The drafter a bench method runs (``eagle3+tree`` -> ``eagle3``)."""
-    return method.removesuffix(TREE_SUFFIX)
+    """The drafter a bench method runs (``eagle3+tree`` / ``eagle3@k3`` -> ``eagle3``)."""
+    return method.split(K_MARK, 1)[0].removesuffix(TREE_SUFFIX)
 
 
 def bench_methods(cfg: BenchConfig) -> list[str]:
@@ -86,10 +112,16 @@ def bench_methods(cfg: BenchConfig) -> list[str]:
     Raises:
         ValueError: ``cfg.tree`` set but no method drafts trees."""
     out = []
+    sweep = swept_ks(cfg)
     for method in cfg.methods or default_methods(cfg):
-        out.append(method)
+        if method == BASELINE or not sweep:
+            out.append(method)
+        else:
+            out += [f"{method}{K_MARK}{'auto' if k == 'auto' else f'k{k}'}" for k in sweep]
         if cfg.tree and method != BASELINE and drafters.config_module(method).RULES.drafts_trees:
             out.append(method + TREE_SUFFIX)
+            if "auto" in sweep:
+                out.append(f"{method}{TREE_SUFFIX}{K_MARK}auto")
     if cfg.tree and not any(m.endswith(TREE_SUFFIX) for m in out):
         tree_methods = [n for n in drafters.names() if drafters.config_module(n).RULES.drafts_trees]
         raise ValueError(
@@ -146,15 +178,21 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict | None:
     method."""
     if method == BASELINE:
         return None
-    if method.endswith(TREE_SUFFIX):
+    k = method_k(method, cfg)
+    if TREE_SUFFIX in method:
         spec = speculative_config(base_method(method), cfg)
         spec.pop("num_speculative_tokens")
-        return {**spec, "tree": TreeShape.parse(cfg.tree).to_dict()}
+        return {
+            **spec,
+            "tree": TreeShape.parse(cfg.tree).to_dict(),
+            **({"num_speculative_tokens": k} if k == "auto" else {}),
+        }
+    method = base_method(method)
     drafters.check_name(method, "bench method")
     rules = drafters.config_module(method).RULES
     spec = {
         "method": method,
-        "num_speculative_tokens": cfg.k,
+        "num_speculative_tokens": k,
         **{key: getattr(cfg, key) for key in rules.options if getattr(cfg, key, None) is not None},
     }
     if not rules.needs_model:
@@ -190,7 +228,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument(
         "--url", dest="urls", action="append", default=[], type=arg.url, help="a running server (repeatable)"
     )
-    p.add_argument("--k", type=arg.positive_int, default=d.k)
+    p.add_argument(
+        "--k",
+        nargs="+",
+        type=arg.k_value,
+        default=[d.k],
+        help="num_speculative_tokens: an integer or auto (adaptive); several values run each method once per "
+        "value (METHOD@k3, METHOD@auto)",
+    )
     p.add_argument(
         "--tree",
         type=_tree,

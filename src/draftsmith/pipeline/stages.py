@@ -273,7 +273,7 @@ def eval_rows(
     recipe: Recipe,
     head_dir: Path | None,
     labels: list[str] | None = None,
-    k: int | None = None,
+    k: "int | str | list | None" = None,
     tree: TreeShape | None = None,
 ) -> dict[str, SpeculativeConfig]:
     """Row label -> speculative config of every drafter to evaluate.
@@ -282,7 +282,8 @@ def eval_rows(
     its export, or for drafters without a model; then each ``eval.drafters`` entry (k defaults to the recipe
     drafter's, so rows compare at the same k). ``labels`` keeps those rows, in that order; a label that is no
     row but a registered drafter name gets that drafter's default row (the head's when ``head_dir`` is its
-    export, else ``Drafter.default_model``). ``k`` overrides every chain row's k. ``tree``: each row whose drafter
+    export, else ``Drafter.default_model``). ``k`` overrides every chain row's k (an integer or ``"auto"``); a list of
+    several makes a row per value, labelled ``LABEL@kK`` (``LABEL@auto``). ``tree``: each row whose drafter
     drafts trees gets a twin labelled ``LABEL+tree`` drafting trees of that shape, right after it (chain and tree
     side by side).
 
@@ -333,7 +334,10 @@ def eval_rows(
         for key in section_only:  # training fields of a recipe section are not serving keys
             spec.pop(key)
         config = SpeculativeConfig.from_dict(spec)
-        out[label] = config.with_k(k) if k is not None else config
+        values = [None] if k is None else list(k) if isinstance(k, (list, tuple)) else [k]
+        for value in values:
+            name = label if len(values) == 1 else f"{label}@{'auto' if value == 'auto' else f'k{value}'}"
+            out[name] = config.with_k(value) if value is not None else config
         if tree is not None and drafters.config_module(config.method).RULES.drafts_trees and config.tree is None:
             out[f"{label}+tree"] = config.with_tree(tree)
     if tree is not None and not any(spec.tree is not None for spec in out.values()):
@@ -344,20 +348,37 @@ def eval_rows(
     return out
 
 
-def build_eval_rows(specs: dict[str, SpeculativeConfig], target, tokenizer, allow_mismatch=()) -> dict[str, EvalRow]:
+def build_eval_rows(
+    specs: dict[str, SpeculativeConfig],
+    target,
+    tokenizer,
+    allow_mismatch=(),
+    max_num_seqs: int = 1,
+    skipped: dict[str, str] | None = None,
+) -> dict[str, EvalRow]:
     """An ``EvalRow`` per label, each drafter set up by ``serve.engine.Engine`` exactly as ``draftsmith serve``
     does: loaded once and checked against ``target`` (a mismatch is refused unless the field is in
-    ``allow_mismatch``)."""
+    ``allow_mismatch``); ``max_num_seqs``: the eval's batch size (what an ``auto`` row's cost model measures).
+    ``skipped`` (a k sweep): a row whose k the drafter cannot draft (e.g. k 8 past an MLP speculator's n_predict 5)
+    is left out with its reason there, instead of raising."""
     greedy = GenerationConfig(temperature=0.0)
     rows = {}
     for label, spec in specs.items():
-        engine = Engine(target, tokenizer, spec, allow_mismatch=allow_mismatch)
+        try:
+            engine = Engine(target, tokenizer, spec, allow_mismatch=allow_mismatch, max_num_seqs=max_num_seqs)
+        except ValueError as e:
+            if skipped is None or "@" not in label or "num_speculative_tokens" not in str(e):
+                raise
+            skipped[label] = str(e)
+            logger.warning("eval: row %s left out: %s", label, e)
+            continue
         rows[label] = EvalRow(
             lambda engine=engine: engine.new_proposer(greedy),
             engine.k,
             engine.target,
             make_batch_proposer=engine.drafter.new_batch_proposer,
             tree=engine.spec.tree,
+            policy=engine.policy,
         )
     return rows
 
@@ -385,12 +406,20 @@ def run_eval(
         head_check = check_export(
             head_dir, target, tokenizer, recipe.target.name_or_path, allow_mismatch=allow_mismatch
         )
-    rows = build_eval_rows(specs, target, tokenizer, allow_mismatch=allow_mismatch)
+    import torch
+
+    if recipe.eval.threads:  # before the rows: an auto row measures its cost model with the eval's threads
+        torch.set_num_threads(recipe.eval.threads)
+    skipped: dict[str, str] = {}
+    rows = build_eval_rows(
+        specs, target, tokenizer, allow_mismatch=allow_mismatch, max_num_seqs=recipe.eval.batch_size, skipped=skipped
+    )
     report = evaluate(target, tokenizer, reference.tasks(recipe.eval.tasks), rows, recipe.eval)
     report["target"] = recipe.target.name_or_path
     report["head"] = str(head_dir) if head_dir else None
     report["head_check"] = head_check.record() if head_check else None
-    report["rows"] = {label: spec.to_dict() for label, spec in specs.items()}
+    report["rows"] = {label: spec.to_dict() for label, spec in specs.items() if label in rows}
+    report["skipped_rows"] = skipped
     out = recipe.run_dir / "eval"
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps(report, indent=1))

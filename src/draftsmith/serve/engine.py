@@ -51,6 +51,7 @@ from draftsmith.core.stops import StopStringFound, TextStream, stop_token_ids
 from draftsmith.core.target import TargetModel, resolve_max_model_len
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.models import load_causal_lm, resolve_model_dtype
+from draftsmith.serve.costs import adaptive_policy
 from draftsmith.serve.memory import plan_for_engine
 from draftsmith.serve.metrics import EngineMetrics
 from draftsmith.serve.scheduler import EngineClosed, EngineOverloaded, RequestCancelled, Scheduler
@@ -138,9 +139,11 @@ class Engine:
         )
         aux_layer_ids = self.drafter.aux_layer_ids if self.drafter is not None else None
         self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
-        self.k = self.spec.num_speculative_tokens if self.spec is not None else 0
-        if self.spec is not None and self.spec.tree is not None:
-            self.k = self.spec.tree.num_steps  # a tree's counters run over its depths
+        self.k = self.spec.depth if self.spec is not None else 0  # a tree's counters run over its depths
+        self.policy = None
+        if self.spec is not None and self.spec.adaptive:  # measured (or cached) before the first request
+            self.policy = adaptive_policy(self.target, self.drafter, self.spec, max_num_seqs)
+            self.k = self.policy.k_max
         self.max_model_len = resolve_max_model_len(self.target.position_limit, max_model_len)
         if self.drafter is not None:
             self.drafter.check_max_model_len(self.max_model_len)
@@ -148,6 +151,8 @@ class Engine:
         self.metrics = EngineMetrics(
             self.k, model_name=model_name, max_model_len=self.max_model_len, speculative=self.spec is not None
         )
+        if self.policy is not None:
+            self.metrics.set_cost_model(self.policy.cost, self.k)
         decoder = BatchDecoder(
             self.target,
             self.drafter.new_batch_proposer() if self.drafter is not None else None,
@@ -155,6 +160,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             tree=self.spec.tree if self.spec is not None else None,
+            policy=self.policy,
         )
         self.scheduler = Scheduler(
             decoder, self.metrics, max_waiting=max_waiting, kv_capacity=max_num_seqs * self.max_model_len
@@ -290,6 +296,8 @@ class Engine:
         def on_step(step: VerifyStep) -> None:  # counted before the step's tokens can stop generation
             if stats is not None:
                 stats.record(step.proposed, step.accepted)
+            if step.k is not None:
+                self.metrics.record_choice(step.k)
             if vllm is not None:
                 vllm.record_step(step.proposed, step.accepted)
 

@@ -19,6 +19,12 @@ requests are not counted here):
     draftsmith:num_requests_running             gauge: sequences in the running batch (vLLM's name)
     draftsmith:num_requests_waiting             gauge: requests queued, not yet running (prefilling included)
 
+With ``"num_speculative_tokens": "auto"`` (``core.adaptive``), also:
+
+    draftsmith:spec_decode_chosen_k             histogram: k chosen per request per verify step (0: a plain step)
+    draftsmith:cost_model_verify_seconds{batch_size, tokens_per_row}    gauge: the measured cost model
+    draftsmith:cost_model_draft_seconds{batch_size, num_speculative_tokens}
+
 ``vllm:`` (``VllmMetrics``): vLLM's own names, labels (``model_name``, ``engine="0"``), bucket boundaries and
 observation points, copied from ``vllm/v1/metrics/loggers.py`` (``PrometheusStatLogger``), ``vllm/v1/metrics/
 buckets.py``, ``vllm/v1/metrics/stats.py`` (``IterationStats``) and ``vllm/v1/spec_decode/metrics.py``, so that
@@ -187,6 +193,40 @@ class EngineMetrics:
         self.vllm = (
             VllmMetrics(r, model_name, max_model_len, num_speculative_tokens, speculative) if vllm_names else None
         )
+        self.chosen_k: Histogram | None = None  # adaptive speculation only (set_cost_model)
+
+    def set_cost_model(self, cost, k_max: int) -> None:
+        """Expose adaptive speculation's measured ``core.adaptive.CostModel`` (gauges) and create the histogram of
+        chosen k (buckets 0..k_max)."""
+        r = self.registry
+        verify = Gauge(
+            PREFIX + "cost_model_verify_seconds",
+            "Measured seconds of one verify forward over batch_size rows of tokens_per_row tokens.",
+            ["batch_size", "tokens_per_row"],
+            registry=r,
+        )
+        draft = Gauge(
+            PREFIX + "cost_model_draft_seconds",
+            "Measured seconds in the drafter for num_speculative_tokens drafts in each of batch_size rows.",
+            ["batch_size", "num_speculative_tokens"],
+            registry=r,
+        )
+        for b, row_v, row_d in zip(cost.batch_sizes, cost.verify_s, cost.draft_s):
+            for t, s in zip(cost.verify_tokens, row_v):
+                verify.labels(batch_size=str(b), tokens_per_row=str(t)).set(s)
+            for k, s in zip(cost.draft_ks, row_d):
+                draft.labels(batch_size=str(b), num_speculative_tokens=str(k)).set(s)
+        self.chosen_k = Histogram(
+            PREFIX + "spec_decode_chosen_k",
+            "k chosen by adaptive speculation per request per verify step (0: a plain step).",
+            buckets=tuple(range(k_max + 1)),
+            registry=r,
+        )
+
+    def record_choice(self, k: int) -> None:
+        """One request's verify step drafted with a k chosen live (``set_cost_model`` first)."""
+        if self.chosen_k is not None:
+            self.chosen_k.observe(k)
 
     def set_queue(self, running: int, waiting: int, kv_cache_usage: float | None = None) -> None:
         """The scheduler's load after a step: rows running, requests waiting, the KV budget's used fraction."""

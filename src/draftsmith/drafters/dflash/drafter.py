@@ -37,7 +37,7 @@ class LoadedDFlash(LoadedDrafter):
     def __init__(self, spec: SpeculativeConfig, head: DFlashHead):
         self.spec, self.head = spec, head
         self.aux_layer_ids = head.config.aux_layer_ids
-        self.trained_depth = head.config.max_k
+        self.trained_depth = self.max_k = head.config.max_k
 
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh ``DFlashProposer`` drafting with the request's settings."""
@@ -76,7 +76,7 @@ class DFlashDrafter(Drafter):
 
         Raises ValueError when k exceeds block_size - 1 (the block has no position for it)."""
         head, _ = load_dflash(spec.model, target_model=target_model, tokenizer=tokenizer, allow_mismatch=allow_mismatch)
-        if spec.depth > head.config.max_k:
+        if spec.depth > head.config.max_k and not spec.adaptive:  # auto drafts at most max_k
             raise ValueError(
                 f"speculative config: {'the tree depth' if spec.tree else 'num_speculative_tokens'} {spec.depth} > "
                 f"the DFlash drafter's block_size - 1 = {head.config.max_k}; draft at most {head.config.max_k} deep"

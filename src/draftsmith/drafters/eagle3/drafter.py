@@ -89,7 +89,8 @@ class Eagle3Drafter(Drafter):
         head = in_fast_dtype(head.to(device), device, f"the EAGLE-3 head {spec.model!r}")
         head.bind_embedding(target_model.get_input_embeddings())
         ttt_steps = meta.ttt_steps if meta.ttt_steps is not None else head.config.ttt_steps
-        warn_beyond_trained_depth(spec.depth, ttt_steps, f"the EAGLE-3 head {spec.model!r}")
+        if not spec.adaptive:  # auto learns how deep the head's drafts are accepted
+            warn_beyond_trained_depth(spec.depth, ttt_steps, f"the EAGLE-3 head {spec.model!r}")
         return LoadedEagle3(spec, head, ttt_steps)
 
     def memory(self, spec: SpeculativeConfig, target_config, dtype: str) -> MemoryItems:

@@ -33,7 +33,7 @@ class LoadedMLPSpeculator(LoadedDrafter):
 
     def __init__(self, spec: SpeculativeConfig, head: MLPSpeculator):
         self.spec, self.head = spec, head
-        self.trained_depth = head.config.n_predict
+        self.trained_depth = self.max_k = head.config.n_predict
 
     def new_proposer(self, sampling: Sampling) -> Proposer:
         """A fresh ``MLPSpeculatorProposer`` drafting with the request's settings."""
@@ -60,7 +60,7 @@ class MLPSpeculatorDrafter(Drafter):
         head, _ = load_mlp_speculator(
             spec.model, target_model=target_model, tokenizer=tokenizer, allow_mismatch=allow_mismatch
         )
-        if spec.num_speculative_tokens > head.config.n_predict:
+        if spec.num_speculative_tokens > head.config.n_predict and not spec.adaptive:  # auto drafts <= n_predict
             raise ValueError(
                 f"speculative config: num_speculative_tokens {spec.num_speculative_tokens} > the MLP "
                 f"speculator's n_predict {head.config.n_predict} (it drafts one token per stage); use "

@@ -1,0 +1,212 @@
+"""Adaptive speculation against every fixed k: the grid of held-out tasks x drafters x concurrency.
+
+    python bench/adaptive_grid.py --out runs/adaptive-grid                       # the reference target, ~40 min
+    python bench/adaptive_grid.py --tasks code-edit --concurrency 1 --num-prompts 4 --out /tmp/grid   # a smoke run
+
+For each task, one ``draftsmith bench`` run (``evaluation.bench.run_bench``, one round: one run per cell) serves
+plain decoding and every drafter at each fixed k (default 1 3 5 8) and at ``auto``, at every concurrency (default
+1 8 32), over that task's first ``--num-prompts`` prompts; speedup = the method's output tokens/s ÷ plain's at the
+same concurrency in the same round. A k a drafter cannot draft (8 past an MLP speculator's n_predict 5, or past a
+DFlash block) is left out of its cells (``skipped``).
+
+Printed and written to ``--out`` (``grid.json``, ``grid.md``, ``grid.png``, and each task's bench report under
+``TASK/``):
+  - speedup per cell (task, drafter, c) for each fixed k and ``auto``, with auto's mean chosen k;
+  - the bar's two checks: cells where ``auto`` < 0.97x plain, and the geometric-mean speedup over the grid of
+    ``auto`` against each single fixed k (over the cells that k ran in, and over the cells every k ran in).
+The cost models ``auto`` uses are measured at the first engine start and cached (``serve/costs.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from draftsmith.core.adaptive import geometric_mean  # noqa: E402
+
+BAR = 0.97
+DRAFTERS = ("eagle3", "ngram", "draft_model", "mlp_speculator", "dflash")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--target", default="reference")
+    p.add_argument(
+        "--head",
+        nargs="+",
+        default=["runs/reference-eagle3/head", "runs/reference-mlp-speculator/head", "runs/reference-dflash/head"],
+    )
+    p.add_argument("--draft-model", default="reference-draft")
+    p.add_argument("--methods", nargs="+", default=list(DRAFTERS))
+    p.add_argument("--tasks", nargs="+", default=None)
+    p.add_argument("--ks", nargs="+", type=int, default=[1, 3, 5, 8])
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
+    p.add_argument("--num-prompts", type=int, default=8)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--out", default="runs/adaptive-grid")
+    return p.parse_args(argv)
+
+
+def cells(reports: dict, ks: list, methods: list) -> list[dict]:
+    """One dict per (task, drafter, c): speedup per k label and auto, auto's mean chosen k."""
+    out = []
+    for task, report in reports.items():
+        for method in methods:
+            for i, c in enumerate(report["concurrency"]):
+                cell = {"task": task, "drafter": method, "concurrency": c}
+                for k in [*ks, "auto"]:
+                    name = f"{method}@{'auto' if k == 'auto' else f'k{k}'}"
+                    rows = report["methods"].get(name, {}).get("per_concurrency", [])
+                    row = rows[i] if i < len(rows) else {}
+                    cell[str(k)] = row.get("speedup")
+                    if k == "auto":
+                        cell["auto_mean_k"] = row.get("mean_chosen_k")
+                        cell["auto_failed"] = row.get("failed")
+                        cell["auto_greedy_mismatches"] = row.get("greedy_mismatches")
+                out.append(cell)
+    return out
+
+
+def summary(grid: list[dict], ks: list) -> dict:
+    """The bar's checks over ``grid`` (module docstring)."""
+    labels = [str(k) for k in ks]
+    below = [c for c in grid if c["auto"] is not None and c["auto"] < BAR]
+    common = [c for c in grid if all(c[label] is not None for label in [*labels, "auto"])]
+    per_k = {
+        label: {
+            "geomean": geometric_mean([c[label] for c in grid if c[label] is not None]),
+            "cells": sum(c[label] is not None for c in grid),
+            "geomean_common": geometric_mean([c[label] for c in common]),
+        }
+        for label in [*labels, "auto"]
+    }
+    best = max(labels, key=lambda label: per_k[label]["geomean_common"])
+    return {
+        "cells": len(grid),
+        "auto_below_bar": [(c["task"], c["drafter"], c["concurrency"], round(c["auto"], 3)) for c in below],
+        "auto_min": min((c["auto"] for c in grid if c["auto"] is not None), default=None),
+        "geomean": per_k,
+        "best_fixed_k": best,
+        "auto_vs_best_fixed_k_common": per_k["auto"]["geomean_common"] / per_k[best]["geomean_common"],
+        "common_cells": len(common),
+    }
+
+
+def table(grid: list[dict], ks: list, result: dict) -> str:
+    labels = [str(k) for k in ks]
+    head = "| task | drafter | c | " + " | ".join(f"k={label}" for label in labels) + " | auto | auto mean k |"
+    lines = [head, "|---|---|---:|" + "---:|" * (len(labels) + 2)]
+    fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
+    for c in grid:
+        mark = " **<0.97**" if c["auto"] is not None and c["auto"] < BAR else ""
+        mean_k = "-" if c["auto_mean_k"] is None else f"{c['auto_mean_k']:.2f}"
+        lines.append(
+            f"| {c['task']} | {c['drafter']} | {c['concurrency']} | "
+            + " | ".join(fmt(c[label]) for label in labels)
+            + f" | {fmt(c['auto'])}{mark} | {mean_k} |"
+        )
+    g = result["geomean"]
+    lines += [
+        "",
+        "| | " + " | ".join(f"k={label}" for label in labels) + " | auto |",
+        "|---|" + "---:|" * (len(labels) + 1),
+        "| geomean speedup (cells it ran) | " + " | ".join(f"{g[x]['geomean']:.3f}" for x in [*labels, "auto"]) + " |",
+        "| cells | " + " | ".join(str(g[x]["cells"]) for x in [*labels, "auto"]) + " |",
+        f"| geomean over the {result['common_cells']} cells every k ran | "
+        + " | ".join(f"{g[x]['geomean_common']:.3f}" for x in [*labels, "auto"])
+        + " |",
+        "",
+        f"auto below {BAR}x plain: {len(result['auto_below_bar'])} of {result['cells']} cells "
+        f"{result['auto_below_bar'] or ''}; lowest {result['auto_min']:.3f}x",
+        f"best single fixed k (common cells): k={result['best_fixed_k']}; auto / it = "
+        f"{result['auto_vs_best_fixed_k_common']:.3f}",
+    ]
+    return "\n".join(lines)
+
+
+def plot(grid: list[dict], ks: list, methods: list, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [str(k) for k in ks] + ["auto"]
+    fig, axes = plt.subplots(len(methods), 1, figsize=(12, 2.6 * len(methods)), sharey=True, squeeze=False)
+    for ax, method in zip(axes[:, 0], methods):
+        rows = [c for c in grid if c["drafter"] == method]
+        xs = range(len(rows))
+        for label in labels:
+            ys = [c[label] if c[label] is not None else float("nan") for c in rows]
+            style = {"color": "black", "linewidth": 2.5, "marker": "s"} if label == "auto" else {"marker": "o"}
+            ax.plot(xs, ys, label="auto" if label == "auto" else f"k={label}", **style)
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.axhline(BAR, color="red", linewidth=0.8, linestyle="--")
+        ax.set_xticks(list(xs), [f"{c['task']}\nc={c['concurrency']}" for c in rows], fontsize=7)
+        ax.set_ylabel(f"{method}\nspeedup vs plain")
+    axes[0, 0].legend(ncol=len(labels), fontsize=8, loc="upper right")
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=110)
+    tmp.replace(path)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    from draftsmith.evaluation.bench import run_bench, write_report
+    from draftsmith.evaluation.bench_config import BenchConfig
+    from draftsmith.models import load_causal_lm
+    from draftsmith.reference import TASK_NAMES
+
+    torch.set_num_threads(args.threads)
+    tasks = args.tasks or list(TASK_NAMES)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = load_causal_lm(args.target, dtype="float32", role="target")
+    reports = {}
+    for task in tasks:
+        cfg = BenchConfig(
+            target=args.target,
+            methods=["none", *args.methods],
+            k=[*args.ks, "auto"],
+            head=args.head,
+            draft_model=args.draft_model,
+            num_prompts=args.num_prompts,
+            tasks=[task],
+            max_tokens=args.max_tokens,
+            concurrency=args.concurrency,
+            rounds=1,
+            threads=args.threads,
+            out=str(out / task),
+        )
+        reports[task] = run_bench(cfg, model, tokenizer)
+        write_report(reports[task], out / task)
+    grid = cells(reports, args.ks, args.methods)
+    result = summary(grid, args.ks)
+    text = table(grid, args.ks, result)
+    cpu = torch.backends.cpu.get_cpu_capability()
+    header = (
+        f"reference grid: tasks {', '.join(tasks)}; {args.num_prompts} prompts x {args.max_tokens} tokens per task; "
+        f"concurrency {args.concurrency}; one run per cell; torch threads {args.threads}; CPU capability {cpu}"
+    )
+    print(header + "\n\n" + text)
+    (out / "grid.md").write_text(header + "\n\n" + text + "\n")
+    skipped = {task: r.get("skipped", {}) for task, r in reports.items()}
+    (out / "grid.json").write_text(json.dumps({"cells": grid, "summary": result, "skipped": skipped}, indent=1))
+    plot(grid, args.ks, args.methods, out / "grid.png")
+    print(f"wrote {out / 'grid.md'}, {out / 'grid.json'}, {out / 'grid.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,294 @@
+"""Adaptive speculation (``"num_speculative_tokens": "auto"``): each step drafts the amount that maximises the
+batch's expected emitted tokens per second, from a cost model measured on this machine and acceptance estimates
+updated by every verify step. Zero is a choice: the step is then plain decoding.
+
+The choice, for a batch of B running rows, each with its own acceptance estimate and cap (what max_new_tokens
+leaves):
+
+    K* = argmax_K  sum_b E_b(min(K, cap_b))  /  (verify(B, 1 + reads(K')) + draft(B', K))
+
+    E(d)     = 1 + sum_{i=1..d} prod_{j<=i} a_j     expected tokens a step emits when d tokens are drafted along a path
+               (a_j: conditional acceptance at position j, given positions < j accepted; Leviathan et al. 2023, §3.1)
+    K'       = max_b min(K, cap_b); B' = rows drafting (min(K, cap_b) > 0); reads(K) = K for a chain, min(K * topk,
+               num_draft_tokens - 1) for a tree of depth K
+    verify, draft: ``CostModel`` (seconds of one target forward over B rows of T tokens, padded as
+               ``core.target.TargetModel.forward_batch`` pads; seconds in the proposer for K drafts per row).
+
+One K serves the whole batch: the verify forward pads every row to the longest, so a row drafting less than K
+saves nothing there. The choice is a function of the past only (earlier verify outcomes and the cost model), never
+of this step's drafts, so the output keeps the target's law: any k drafted from q and verified by
+``core.verify`` is lossless (the contract tests run every drafter with ``auto``).
+
+Acceptance estimates (``AcceptanceEstimate``) are exponentially decayed counts per position: a verify step that
+drafted k' tokens along its path and accepted n counts positions 1..n as accepted and position n + 1 (when
+n < k') as rejected (vLLM's per-position acceptance; a tree counts its accepted path's depth). A request's rates
+are shrunk towards the engine's (``AdaptivePolicy.rates``), whose own prior for position i is its estimate at
+i - 1 (a position never tried is assumed as good as the one before it). When zero drafts win, nothing is learnt;
+so after ``PROBE_AFTER`` plain steps in a row the policy drafts once at its best positive K (a probe), and the
+interval doubles while probes keep losing (up to ``PROBE_MAX``): at most ~1/PROBE_MAX of steps are probes once
+speculation does not pay.
+
+The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
+so every step's measured verify and draft seconds also update two scales (``AdaptivePolicy.observe_step``: an
+exponential average of measured ÷ predicted, clipped to [1/4, 4]) that multiply the model's verify and draft costs.
+
+This module is torch-free (the profile that measures a ``CostModel`` is ``core.cost_profile``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+AUTO = "auto"  #: the ``num_speculative_tokens`` value that turns adaptive speculation on
+AUTO_MAX_K = 8  #: most drafts per step ``auto`` considers (lowered to a drafter's own limit)
+REQUEST_DECAY = 0.9  #: a request's counts decay per observation (~10 recent steps weigh)
+ENGINE_DECAY = 0.99  #: the engine's counts decay per observation (~100 recent steps weigh)
+REQUEST_PRIOR = 4.0  #: pseudo-observations of the engine's rates in a request's estimate
+ENGINE_PRIOR = 2.0  #: pseudo-observations of the prior in the engine's estimate
+FIRST_PRIOR = 0.6  #: the engine's prior acceptance at position 1 before any step (optimistic: it gets tried)
+PROBE_AFTER = 8  #: plain steps in a row before a probe; doubles after each losing probe
+PROBE_MAX = 128  #: longest interval between probes
+SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
+SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
+
+
+def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise-linear y(x) through the points (xs ascending), extrapolated linearly past both ends, >= 0."""
+    if len(xs) == 1:
+        return max(0.0, ys[0] * x / xs[0]) if x > xs[0] else ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+@dataclass
+class CostModel:
+    """Measured step costs of one target + drafter on one device (``core.cost_profile.profile_costs``).
+
+    Attributes:
+        batch_sizes: measured B, ascending. verify_tokens: measured tokens per row T, ascending (1 = plain).
+        verify_s: ``[len(batch_sizes)][len(verify_tokens)]`` seconds of one verify forward over B rows of T tokens.
+        draft_ks: measured drafts per row K (>= 1), ascending.
+        draft_s: ``[len(batch_sizes)][len(draft_ks)]`` seconds inside the proposer (propose + accept) for K drafts
+            in each of B rows.
+        context_len: the context each row had while measured (tokens). meta: what was measured (target, drafter,
+            device, threads, torch CPU capability): the cache key's fields.
+
+    Between measured points costs are interpolated linearly (in B, then T or K), past them extrapolated linearly.
+    """
+
+    batch_sizes: list[int]
+    verify_tokens: list[int]
+    verify_s: list[list[float]]
+    draft_ks: list[int]
+    draft_s: list[list[float]]
+    context_len: int = 0
+    meta: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.batch_sizes or not self.verify_tokens or not self.draft_ks:
+            raise ValueError("a cost model needs at least one batch size, token count and k")
+        if len(self.verify_s) != len(self.batch_sizes) or len(self.draft_s) != len(self.batch_sizes):
+            raise ValueError("a cost model needs one row of verify and draft costs per batch size")
+
+    def _grid(self, table: list[list[float]], xs: list[int], b: int, x: float) -> float:
+        per_b = [_interp(xs, row, x) for row in table]
+        return _interp(self.batch_sizes, per_b, b)
+
+    def verify(self, b: int, t: int) -> float:
+        """Seconds of one target forward over ``b`` rows of ``t`` new tokens each."""
+        return self._grid(self.verify_s, self.verify_tokens, b, t)
+
+    def draft(self, b: int, k: int) -> float:
+        """Seconds inside the proposer for ``k`` drafts in each of ``b`` rows (0 for k = 0 or b = 0: nothing is
+        drafted, and a plain step's accept is deferred: ``core.batch``)."""
+        if k <= 0 or b <= 0:
+            return 0.0
+        return self._grid(self.draft_s, self.draft_ks, b, k)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CostModel":
+        """Rebuild from ``to_dict``'s output (ValueError for anything else)."""
+        try:
+            return cls(**data)
+        except TypeError as e:
+            raise ValueError(f"not a cost model: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        """Write as JSON through a temporary file and a rename."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=1))
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        """Read what ``save`` wrote (ValueError when it is not a cost model)."""
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"cannot read the cost model {path}: {e}") from None
+
+    def summary(self) -> str:
+        """One line per batch size: verify ms at each T and draft ms at each K (what the logs print)."""
+        lines = []
+        for b, v, d in zip(self.batch_sizes, self.verify_s, self.draft_s):
+            ver = " ".join(f"{t}:{1000 * s:.1f}" for t, s in zip(self.verify_tokens, v))
+            dra = " ".join(f"{k}:{1000 * s:.1f}" for k, s in zip(self.draft_ks, d))
+            lines.append(f"B={b}: verify ms by tokens/row {ver} | draft ms by k {dra}")
+        return "\n".join(lines)
+
+
+class AcceptanceEstimate:
+    """Exponentially decayed counts of tried and accepted drafts per position (module docstring).
+
+    Args:
+        k_max: positions tracked. decay: each observation of a position first multiplies its counts by this.
+    """
+
+    def __init__(self, k_max: int, decay: float):
+        self.decay = decay
+        self.tried = [0.0] * k_max
+        self.accepted = [0.0] * k_max
+
+    def observe(self, num_proposed: int, num_accepted: int) -> None:
+        """One verify step that drafted ``num_proposed`` positions along its path and accepted ``num_accepted``."""
+        for i in range(min(num_accepted + 1, num_proposed, len(self.tried))):
+            self.tried[i] = self.decay * self.tried[i] + 1.0
+            self.accepted[i] = self.decay * self.accepted[i] + float(i < num_accepted)
+
+    def rates(self, prior: Sequence[float] | None, strength: float) -> list[float]:
+        """Posterior-mean conditional acceptance per position: (accepted + strength * prior) / (tried + strength);
+        ``prior`` None: each position's prior is the rate found for the position before it (``FIRST_PRIOR`` for
+        the first)."""
+        out: list[float] = []
+        for i, (a, t) in enumerate(zip(self.accepted, self.tried)):
+            p = prior[i] if prior is not None else (out[-1] if out else FIRST_PRIOR)
+            out.append((a + strength * p) / (t + strength))
+        return out
+
+
+def expected_tokens(rates: Sequence[float], depth: int) -> float:
+    """E(d) = 1 + sum_{i<=d} prod_{j<=i} a_j: tokens one step emits with ``depth`` drafts (module docstring)."""
+    total, reach = 1.0, 1.0
+    for a in rates[:depth]:
+        reach *= a
+        total += reach
+    return total
+
+
+@dataclass
+class Choice:
+    """One step's decision: ``k`` drafts per row (0: plain), its expected tokens/s, and whether it is a probe."""
+
+    k: int
+    tokens_per_s: float
+    probe: bool = False
+
+
+class AdaptivePolicy:
+    """Chooses each step's k for a batch (module docstring); one per decoder, shared by its requests.
+
+    Args:
+        cost: the measured ``CostModel``. k_max: most drafts per row per step (a tree: its depth).
+        topk, num_nodes: for a tree, SGLang's ``topk`` and the node budget (``num_draft_tokens - 1``): a tree of
+            depth d reads min(d * topk, num_nodes) tokens; None for chains.
+
+    Attributes:
+        engine: the engine-wide ``AcceptanceEstimate``. histogram: steps per chosen k (``[k_max + 1]``).
+        verify_scale, draft_scale: measured ÷ modelled cost, averaged over recent steps (module docstring).
+    """
+
+    def __init__(self, cost: CostModel, k_max: int, *, topk: int | None = None, num_nodes: int | None = None):
+        if k_max < 1:
+            raise ValueError(f"adaptive speculation needs k_max >= 1, got {k_max}")
+        self.cost, self.k_max, self.topk, self.num_nodes = cost, k_max, topk, num_nodes
+        self.engine = AcceptanceEstimate(k_max, ENGINE_DECAY)
+        self.histogram = [0] * (k_max + 1)
+        self._plain_run, self._probe_after = 0, PROBE_AFTER
+        self.verify_scale = self.draft_scale = 1.0
+
+    def new_request(self) -> AcceptanceEstimate:
+        """A fresh estimate for one request (its rates start at the engine's)."""
+        return AcceptanceEstimate(self.k_max, REQUEST_DECAY)
+
+    def rates(self, request: AcceptanceEstimate | None) -> list[float]:
+        """A request's conditional acceptance per position, shrunk towards the engine's."""
+        engine = self.engine.rates(None, ENGINE_PRIOR)
+        return engine if request is None else request.rates(engine, REQUEST_PRIOR)
+
+    def reads(self, k: int) -> int:
+        """Draft tokens one row's verify reads when it drafts ``k`` (a tree's depth)."""
+        if self.topk is None:
+            return k
+        return min(k * self.topk, self.num_nodes or k * self.topk)
+
+    def throughput(self, rows: Sequence[tuple[list[float], int]], k: int) -> float:
+        """Expected emitted tokens per second of one step drafting ``k`` per row; ``rows``: (rates, cap) each."""
+        depths = [min(k, cap) for _, cap in rows]
+        tokens = sum(expected_tokens(rates, d) for (rates, _), d in zip(rows, depths))
+        longest = max(depths, default=0)
+        drafting = sum(1 for d in depths if d > 0)
+        seconds = self.verify_scale * self.cost.verify(len(rows), 1 + self.reads(longest))
+        seconds += self.draft_scale * self.cost.draft(drafting, longest)
+        return tokens / max(seconds, 1e-9)
+
+    def choose(self, rows: Sequence[tuple[AcceptanceEstimate | None, int]]) -> Choice:
+        """This step's k for ``rows`` (each: its estimate and the most it may draft); counted in ``histogram``."""
+        if not rows:
+            return Choice(0, 0.0)
+        scored = [(self.rates(est), max(0, min(cap, self.k_max))) for est, cap in rows]
+        best_cap = max(cap for _, cap in scored)
+        options = [(self.throughput(scored, k), k) for k in range(best_cap + 1)]
+        rate, k = max(options, key=lambda o: (o[0], -o[1]))
+        probe = False
+        if k == 0 and best_cap > 0:
+            self._plain_run += 1
+            if self._plain_run >= self._probe_after:  # learn again: draft once at the best positive k
+                rate, k = max(options[1:], key=lambda o: (o[0], -o[1]))
+                probe, self._plain_run = True, 0
+                self._probe_after = min(2 * self._probe_after, PROBE_MAX)
+        elif k > 0:
+            self._plain_run, self._probe_after = 0, PROBE_AFTER
+        self.histogram[k] += 1
+        return Choice(k, rate, probe)
+
+    def observe_step(
+        self, batch_size: int, tokens_per_row: int, drafting: int, k: int, verify_s: float, draft_s: float
+    ) -> None:
+        """One step's measured costs: a verify forward over ``batch_size`` rows of ``tokens_per_row`` tokens took
+        ``verify_s`` seconds, ``drafting`` rows drafting ``k`` took ``draft_s`` in the proposer; they update the
+        scales."""
+
+        def update(scale: float, measured: float, modelled: float) -> float:
+            if measured <= 0 or modelled <= 0:
+                return scale
+            ratio = min(max(measured / modelled, SCALE_RANGE[0]), SCALE_RANGE[1])
+            return (1 - SCALE_WEIGHT) * scale + SCALE_WEIGHT * ratio
+
+        self.verify_scale = update(self.verify_scale, verify_s, self.cost.verify(batch_size, tokens_per_row))
+        if k > 0 and drafting > 0:
+            self.draft_scale = update(self.draft_scale, draft_s, self.cost.draft(drafting, k))
+
+    def observe(self, request: AcceptanceEstimate | None, num_proposed: int, num_accepted: int) -> None:
+        """One row's verify outcome (its path's depth drafted, drafts accepted) updates its and the engine's rates."""
+        if num_proposed <= 0:
+            return
+        self.engine.observe(num_proposed, num_accepted)
+        if request is not None:
+            request.observe(num_proposed, num_accepted)
+
+
+def geometric_mean(values: Sequence[float]) -> float:
+    """exp(mean(log v)) of positive values (NaN when empty)."""
+    vals = [v for v in values if v > 0]
+    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")

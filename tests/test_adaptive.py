@@ -1,0 +1,183 @@
+"""Adaptive speculation's parts (``core.adaptive``, ``core.cost_profile``, ``serve.costs``): the cost model, the
+acceptance estimates, the choice of k, the config and the eval rows. Losslessness under any k schedule, for every
+drafter, is in ``test_contract.py`` (``auto``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from draftsmith.core.adaptive import (
+    PROBE_AFTER,
+    AcceptanceEstimate,
+    AdaptivePolicy,
+    CostModel,
+    expected_tokens,
+)
+from draftsmith.core.cost_profile import affine_fit
+from draftsmith.drafters.speculative import SpeculativeConfig
+
+
+def flat_cost(verify_ms=10.0, per_token_ms=0.0, draft_ms=0.0, batch_sizes=(1, 4)) -> CostModel:
+    """Verify = verify_ms + per_token_ms * T per row-batch, draft = draft_ms * K (the same at every batch size)."""
+    ts, ks = list(range(1, 10)), list(range(1, 9))
+    return CostModel(
+        list(batch_sizes),
+        ts,
+        [[(verify_ms + per_token_ms * t) / 1000 for t in ts] for _ in batch_sizes],
+        ks,
+        [[draft_ms * k / 1000 for k in ks] for _ in batch_sizes],
+    )
+
+
+def trained(policy: AdaptivePolicy, rate: float, steps: int = 200, k: int = 8) -> None:
+    """Feed the engine estimate steps that accept each position with probability ``rate`` (deterministic)."""
+    for step in range(steps):
+        accepted = 0
+        while accepted < k and (step * 7919 + accepted * 104729) % 1000 < rate * 1000:
+            accepted += 1
+        policy.observe(None, k, accepted)
+
+
+def test_cost_model_interpolates_extrapolates_and_round_trips(tmp_path):
+    cost = CostModel([1, 4], [1, 3], [[0.010, 0.014], [0.020, 0.032]], [1, 2], [[0.002, 0.004], [0.003, 0.006]])
+    assert cost.verify(1, 2) == pytest.approx(0.012)
+    assert cost.verify(2, 1) == pytest.approx(0.010 + (0.020 - 0.010) / 3)
+    assert cost.verify(8, 1) == pytest.approx(0.020 + 4 * (0.010 / 3))  # linear past the largest batch
+    assert cost.draft(1, 0) == 0.0 and cost.draft(0, 3) == 0.0
+    assert cost.draft(4, 4) == pytest.approx(0.012)
+    cost.save(tmp_path / "c.json")
+    assert CostModel.load(tmp_path / "c.json").to_dict() == cost.to_dict()
+    (tmp_path / "bad.json").write_text(json.dumps({"batch_sizes": [1]}))
+    with pytest.raises(ValueError, match="not a cost model"):
+        CostModel.load(tmp_path / "bad.json")
+
+
+def test_affine_fit_smooths_noise_and_never_slopes_down():
+    assert affine_fit([1, 2, 3], [1.0, 2.0, 3.0]) == pytest.approx([1.0, 2.0, 3.0])
+    smoothed = affine_fit([1, 2, 3, 4], [10.0, 14.0, 11.0, 13.0])
+    assert smoothed == sorted(smoothed)
+    assert affine_fit([1, 2, 3], [3.0, 2.0, 1.0]) == pytest.approx([2.0, 2.0, 2.0])
+
+
+def test_acceptance_counts_follow_vllm_positions():
+    est = AcceptanceEstimate(4, decay=1.0)
+    est.observe(3, 1)  # position 1 accepted, 2 rejected, 3 not reached
+    est.observe(2, 2)  # both accepted, nothing rejected
+    assert est.tried == [2, 2, 0, 0] and est.accepted == [2, 1, 0, 0]
+    rates = est.rates(None, strength=0.0 + 1e-9)
+    assert rates[0] == pytest.approx(1.0) and rates[1] == pytest.approx(0.5)
+    assert rates[2] == pytest.approx(rates[1]) and rates[3] == pytest.approx(rates[1])  # unseen: as the one before
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1.75)
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+
+
+def test_the_choice_follows_cost_and_acceptance():
+    cheap = AdaptivePolicy(flat_cost(per_token_ms=0.1, draft_ms=0.1), 8)
+    trained(cheap, 0.9)
+    assert cheap.choose([(None, 8)]).k == 8  # verifying more costs nothing: draft all
+    assert cheap.choose([(None, 2)]).k == 2  # capped by what the row may still emit
+    dear = AdaptivePolicy(flat_cost(per_token_ms=2.0, draft_ms=4.0), 8)
+    trained(dear, 0.2)
+    assert dear.choose([(None, 8)]).k == 0  # acceptance too low for the cost: plain
+    middle = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
+    trained(middle, 0.7)
+    assert 1 <= middle.choose([(None, 8)]).k < 8
+    assert sum(p.histogram[k] for p in (cheap, dear, middle) for k in range(9)) == 4
+
+
+def test_a_request_estimate_pulls_away_from_the_engine():
+    policy = AdaptivePolicy(flat_cost(per_token_ms=2.0, draft_ms=2.0), 8)
+    trained(policy, 0.8)
+    bad = policy.new_request()
+    for _ in range(20):
+        policy.observe(bad, 5, 0)
+    assert policy.rates(bad)[0] < 0.3 < 0.5 < policy.rates(None)[0]  # the engine also saw those 20 steps
+    assert policy.choose([(bad, 8)]).k == 0 and policy.choose([(policy.new_request(), 8)]).k > 0
+
+
+def test_plain_runs_are_probed_with_a_doubling_interval():
+    policy = AdaptivePolicy(flat_cost(per_token_ms=3.0, draft_ms=5.0), 8)
+    trained(policy, 0.1)
+    choices = [policy.choose([(None, 8)]) for _ in range(PROBE_AFTER * 7)]
+    probes = [i for i, c in enumerate(choices) if c.probe]
+    assert all(c.k == 0 for c in choices if not c.probe) and all(choices[i].k > 0 for i in probes)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert probes[0] == PROBE_AFTER - 1 and gaps == [2 * PROBE_AFTER, 4 * PROBE_AFTER]
+
+
+def test_measured_step_costs_rescale_the_model():
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
+    trained(policy, 0.7)
+    before = policy.choose([(None, 8)]).k
+    for _ in range(200):  # drafting measures 4x dearer than profiled, verifying as profiled
+        policy.observe_step(1, 4, 1, 3, (10.0 + 4.0) / 1000, 4 * 3.0 / 1000)
+    assert policy.verify_scale == pytest.approx(1.0) and policy.draft_scale == pytest.approx(4.0, rel=1e-3)
+    assert policy.choose([(None, 8)]).k < before
+    policy.observe_step(1, 1, 0, 0, 1e3, 0.0)  # an outlier moves a scale by at most one clipped step
+    assert policy.verify_scale < 1.2
+
+
+def test_a_tree_reads_topk_nodes_per_depth():
+    policy = AdaptivePolicy(flat_cost(), 5, topk=4, num_nodes=12)
+    assert [policy.reads(d) for d in range(5)] == [0, 4, 8, 12, 12]
+
+
+def test_auto_in_the_speculative_config():
+    spec = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": "auto"}')
+    assert spec.adaptive and spec.num_speculative_tokens == 8
+    assert spec.to_dict()["num_speculative_tokens"] == "auto"
+    assert SpeculativeConfig.parse(spec.to_dict()).adaptive
+    assert not spec.with_k(3).adaptive and spec.with_k(3).with_k("auto").adaptive
+    tree = SpeculativeConfig.parse(
+        {
+            "method": "eagle3",
+            "model": "h",
+            "num_speculative_tokens": "auto",
+            "tree": "topk=2,num_steps=4,num_draft_tokens=8",
+        }
+    )
+    assert tree.adaptive and tree.depth == 4 and tree.to_dict()["num_speculative_tokens"] == "auto"
+    with pytest.raises(ValueError, match="static"):
+        SpeculativeConfig.parse(
+            {"method": "eagle3", "model": "h", "num_speculative_tokens": "auto", "speculative_token_tree": "[(0,)]"}
+        )
+    with pytest.raises(ValueError, match='integer >= 1 or "auto"'):
+        SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": "fast"}')
+
+
+def test_profile_batch_sizes():
+    from draftsmith.serve.costs import profile_batch_sizes
+
+    assert profile_batch_sizes(1) == [1]
+    assert profile_batch_sizes(6) == [1, 2, 4, 6]
+    assert profile_batch_sizes(64) == [1, 2, 4, 8, 16, 32]
+
+
+@pytest.mark.parametrize("name", ["eagle3", "dflash"])
+def test_auto_adapts_a_trees_depth_losslessly(tmp_path, name):
+    """A dynamic tree with ``"auto"``: the engine chooses each step's depth (0 included), greedy equals plain; under
+    a random depth schedule in a batch, too."""
+    import lossless
+    from conftest import make_tiny_llama, make_word_tokenizer
+    from draftsmith import drafters
+    from draftsmith.core.batch import BatchDecoder, BatchSequence
+    from draftsmith.core.generate import GenerationConfig, generate_plain
+    from draftsmith.core.target import TargetModel
+    from draftsmith.serve.engine import Engine
+
+    model, tok = make_tiny_llama(seed=11, num_hidden_layers=8), make_word_tokenizer(96)
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 10, 11, 5, 6], [20, 21, 22, 20, 21, 22, 23]]
+    spec = drafters.get(name).example(model, tok, tmp_path).with_tree("topk=2,num_steps=3,num_draft_tokens=6")
+    engine = Engine(model, tok, spec.with_k("auto"), max_num_seqs=2)
+    assert engine.policy is not None and engine.policy.topk == 2 and engine.k == 3
+    cfg = GenerationConfig(max_new_tokens=20, temperature=0.0)
+    plain = [generate_plain(TargetModel(model, tok), p, cfg).tokens for p in prompts]
+    assert [engine.generate(p, cfg).tokens for p in prompts] == plain
+    schedule = lossless.RandomSchedule(3, seed=1)
+    decoder = BatchDecoder(engine.target, engine.drafter.new_batch_proposer(), 3, tree=spec.tree, policy=schedule)
+    seqs = [decoder.add(BatchSequence(p, cfg)) for p in prompts]
+    decoder.run()
+    assert [s.result.tokens for s in seqs] == plain and 0 in schedule.chosen
+    assert sum(s.stats.num_drafts for s in seqs) > 0
