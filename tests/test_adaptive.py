@@ -119,6 +119,19 @@ def test_measured_step_costs_rescale_the_model():
     assert policy.verify_scale < 1.2
 
 
+def test_the_drafters_confidence_is_calibrated_per_bin():
+    policy = AdaptivePolicy(flat_cost(per_token_ms=2.0, draft_ms=2.0), 8)
+    trained(policy, 0.5)
+    for i in range(400):  # a confident head is right, an unsure one wrong
+        est = policy.new_request()
+        sure = i % 2 == 0
+        policy.choose([(est, 8, 0.95 if sure else 0.15)])
+        policy.observe(est, 3, 3 if sure else 0)
+    assert policy.rates(None, 0.95)[0] > 0.9 and policy.rates(None, 0.15)[0] < 0.1
+    assert policy.choose([(policy.new_request(), 8, 0.97)]).k > 0
+    assert policy.choose([(policy.new_request(), 8, 0.12)]).k == 0
+
+
 def test_a_tree_reads_topk_nodes_per_depth():
     policy = AdaptivePolicy(flat_cost(), 5, topk=4, num_nodes=12)
     assert [policy.reads(d) for d in range(5)] == [0, 4, 8, 12, 12]

@@ -28,6 +28,13 @@ so after ``PROBE_AFTER`` plain steps in a row the policy drafts once at its best
 interval doubles while probes keep losing (up to ``PROBE_MAX``): at most ~1/PROBE_MAX of steps are probes once
 speculation does not pay.
 
+The drafter's own confidence, where it has one before drafting (``BatchProposer.confidence``: an EAGLE-3 head
+holds its next-token logits after each accept), refines position 1: the engine keeps decayed acceptance counts of
+position 1 per confidence bin (``CONFIDENCE_BINS`` equal bins of the head's top probability), and a row whose
+confidence is known takes its bin's rate (shrunk towards the engine's position-1 rate) as a_1. It is known before
+the step drafts, so the choice stays a function of the past. A row whose positions wait for a deferred accept has
+none (its drafter has not read them yet).
+
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured verify and draft seconds also update two scales (``AdaptivePolicy.observe_step``: an
 exponential average of measured ÷ predicted, clipped to [1/4, 4]) that multiply the model's verify and draft costs.
@@ -53,6 +60,7 @@ ENGINE_PRIOR = 2.0  #: pseudo-observations of the prior in the engine's estimate
 FIRST_PRIOR = 0.6  #: the engine's prior acceptance at position 1 before any step (optimistic: it gets tried)
 PROBE_AFTER = 8  #: plain steps in a row before a probe; doubles after each losing probe
 PROBE_MAX = 128  #: longest interval between probes
+CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
 SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
 SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
 
@@ -159,6 +167,7 @@ class AcceptanceEstimate:
         self.decay = decay
         self.tried = [0.0] * k_max
         self.accepted = [0.0] * k_max
+        self.confidence: float | None = None  #: the drafter's confidence at this step's choice (a request's)
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         """One verify step that drafted ``num_proposed`` positions along its path and accepted ``num_accepted``."""
@@ -216,15 +225,22 @@ class AdaptivePolicy:
         self.histogram = [0] * (k_max + 1)
         self._plain_run, self._probe_after = 0, PROBE_AFTER
         self.verify_scale = self.draft_scale = 1.0
+        self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
 
     def new_request(self) -> AcceptanceEstimate:
         """A fresh estimate for one request (its rates start at the engine's)."""
         return AcceptanceEstimate(self.k_max, REQUEST_DECAY)
 
-    def rates(self, request: AcceptanceEstimate | None) -> list[float]:
-        """A request's conditional acceptance per position, shrunk towards the engine's."""
+    def rates(self, request: AcceptanceEstimate | None, confidence: float | None = None) -> list[float]:
+        """A request's conditional acceptance per position, shrunk towards the engine's; with the drafter's
+        ``confidence`` in its next draft, position 1 is its confidence bin's rate (module docstring)."""
         engine = self.engine.rates(None, ENGINE_PRIOR)
-        return engine if request is None else request.rates(engine, REQUEST_PRIOR)
+        rates = engine if request is None else request.rates(engine, REQUEST_PRIOR)
+        if confidence is not None:
+            b = _bin(confidence)
+            tried, accepted = self.calibration.tried[b], self.calibration.accepted[b]
+            rates = [(accepted + ENGINE_PRIOR * engine[0]) / (tried + ENGINE_PRIOR), *rates[1:]]
+        return rates
 
     def reads(self, k: int) -> int:
         """Draft tokens one row's verify reads when it drafts ``k`` (a tree's depth)."""
@@ -242,11 +258,17 @@ class AdaptivePolicy:
         seconds += self.draft_scale * self.cost.draft(drafting, longest)
         return tokens / max(seconds, 1e-9)
 
-    def choose(self, rows: Sequence[tuple[AcceptanceEstimate | None, int]]) -> Choice:
-        """This step's k for ``rows`` (each: its estimate and the most it may draft); counted in ``histogram``."""
+    def choose(self, rows: Sequence[tuple]) -> Choice:
+        """This step's k for ``rows``, each (its estimate, the most it may draft[, the drafter's confidence in its
+        next draft or None]); counted in ``histogram``."""
         if not rows:
             return Choice(0, 0.0)
-        scored = [(self.rates(est), max(0, min(cap, self.k_max))) for est, cap in rows]
+        scored = []
+        for row in rows:
+            est, cap, confidence = (*row, None)[:3]
+            if est is not None:
+                est.confidence = confidence
+            scored.append((self.rates(est, confidence), max(0, min(cap, self.k_max))))
         best_cap = max(cap for _, cap in scored)
         options = [(self.throughput(scored, k), k) for k in range(best_cap + 1)]
         rate, k = max(options, key=lambda o: (o[0], -o[1]))
@@ -286,6 +308,16 @@ class AdaptivePolicy:
         self.engine.observe(num_proposed, num_accepted)
         if request is not None:
             request.observe(num_proposed, num_accepted)
+            if request.confidence is not None:
+                b = _bin(request.confidence)
+                c = self.calibration
+                c.tried[b] = c.decay * c.tried[b] + 1.0
+                c.accepted[b] = c.decay * c.accepted[b] + float(num_accepted > 0)
+                request.confidence = None
+
+
+def _bin(confidence: float) -> int:
+    return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
 
 
 def geometric_mean(values: Sequence[float]) -> float:

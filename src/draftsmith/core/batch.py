@@ -22,7 +22,9 @@ its verified positions wait (``BatchSequence.pending``) and reach ``BatchPropose
 row's next ``propose`` (or once ``PENDING_LIMIT`` tokens wait): several plain steps are one context extension of
 n + 1 positions, which every proposer reads as after a verify step that accepted n drafts. So a plain step costs
 the drafter nothing, and a drafter catches up in one forward when drafting resumes. Accepts are deferred so for
-every row (a fixed k too): the accept of a row's last step, after which it leaves, is never made.
+every row (a fixed k too): the accept of a row's last step, after which it leaves, is never made. With a policy,
+a row that drafted in its last step is brought up to date before the choice, so that the drafter's confidence in
+its next draft (``BatchProposer.confidence``) can inform it.
 
 With a ``tree`` (``core.tree.TreeShape``) each running row drafts a tree instead (``BatchProposer.propose_tree``):
 the verify forward reads [last token_b, its nodes] with ancestor-only attention (``BatchKVCache.begin``), each row
@@ -157,6 +159,7 @@ class BatchSequence:
         self.started = False  # joined the running batch (proposer started)
         self.start_s = 0.0  # seconds of proposer.start, reported with the first verify step
         self.estimate: object | None = None
+        self.drafted_last = False  # the row drafted in its latest verify step
         self.pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
 
     @property
@@ -424,7 +427,9 @@ class BatchDecoder:
         rows = self.running
         caps = [self._requested(s) for s in rows]
         if self.policy is not None:
-            choice = self.policy.choose([(s.estimate, cap) for s, cap in zip(rows, caps)])
+            self._flush([s for s in rows if s.drafted_last])  # their drafter's confidence needs its state current
+            confidence = self._confidence(rows)
+            choice = self.policy.choose([(s.estimate, cap, c) for s, cap, c in zip(rows, caps, confidence)])
             ks = [min(choice.k, cap) for cap in caps]
         else:
             ks = caps
@@ -478,6 +483,7 @@ class BatchDecoder:
         ended = []
         for seq, p, k, n, out, rank in zip(rows, proposals, ks, ns, emitted, ranks):
             seq.forwards += 1
+            seq.drafted_last = k > 0
             if seq.stats is not None and rank is not None:
                 seq.stats.record_tree(p.tokens.numel(), rank)
             elif seq.stats is not None:
@@ -501,6 +507,16 @@ class BatchDecoder:
             if self._emit(seq, out.tolist()):
                 ended.append(seq)
         return ended
+
+    def _confidence(self, rows: list[BatchSequence]) -> list[float | None]:
+        """The proposer's confidence in each row's next draft (``BatchProposer.confidence``); None for rows whose
+        positions wait for a deferred accept (their drafter has not read them)."""
+        ready = [b for b, s in enumerate(rows) if not s.pending]
+        out: list[float | None] = [None] * len(rows)
+        if ready and hasattr(self.proposer, "confidence"):
+            for b, c in zip(ready, self.proposer.confidence([rows[b].key for b in ready])):
+                out[b] = c
+        return out
 
     def _defer(self, rows: list[BatchSequence], ns: list[int], emitted: list[torch.Tensor], step) -> None:
         """Keep each row's verified positions (rows 0..n of ``step``, a chain's layout) for its next ``accept``;

@@ -143,6 +143,11 @@ class Proposer(abc.ABC):
         loop passes the rows of the accepted path only (root, then its n nodes), so ``accept`` reads the same
         layout after a chain and after a tree."""
 
+    def confidence(self) -> float | None:
+        """The drafter's probability of its next draft, known before drafting (adaptive speculation reads it:
+        ``core.adaptive``); None (the default) when it has none without drafting."""
+        return None
+
     def propose_tree(self, shape, max_depth: int) -> Proposal:
         """Draft a tree (a ``Proposal`` with ``parents``) within ``shape`` (``core.tree.TreeShape``), at most
         ``max_depth`` deep (``max_depth`` 0: an empty proposal).
@@ -182,6 +187,11 @@ class BatchProposer(abc.ABC):
     def accept(self, keys: Sequence[int], n_accepted: Sequence[int], emitted: Sequence[torch.Tensor], step) -> None:
         """Verification outcome per row: ``n_accepted[b]`` drafts kept, ``emitted[b]`` ``[n+1]`` appended;
         ``step`` is the verify forward's ``BatchTargetStep`` (``step.row(b)``: row b's ``TargetStep``)."""
+
+    def confidence(self, keys: Sequence[int]) -> list[float | None]:
+        """Per row, the drafter's probability of its next draft, known before drafting (``Proposer.confidence``);
+        default: None for every row."""
+        return [None] * len(keys)
 
     def propose_tree(self, keys: Sequence[int], shape, max_depths: Sequence[int]) -> list[Proposal]:
         """A tree per row within ``shape`` (``core.tree.TreeShape``), row b at most ``max_depths[b]`` deep
@@ -244,6 +254,9 @@ class PerSequence(BatchProposer):
 
     def propose(self, keys, ks) -> list[Proposal]:
         return [self.rows[key].propose(k) for key, k in zip(keys, ks)]
+
+    def confidence(self, keys) -> list[float | None]:
+        return [self.rows[key].confidence() for key in keys]
 
     def propose_tree(self, keys, shape, max_depths) -> list[Proposal]:
         return [self.rows[key].propose_tree(shape, d) for key, d in zip(keys, max_depths)]

@@ -84,6 +84,9 @@ class TimedProposer(BatchProposer):
     def propose_tree(self, *args):
         return self._timed(self.inner.propose_tree, *args)
 
+    def confidence(self, *args):
+        return self._timed(self.inner.confidence, *args)
+
     def accept(self, *args) -> None:
         self._timed(self.inner.accept, *args)
 

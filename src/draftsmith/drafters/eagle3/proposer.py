@@ -153,6 +153,10 @@ class Eagle3Proposer(Proposer):
         q = None if self.sampling.temperature == 0 else torch.stack(qs).cpu()
         return Proposal(torch.tensor(tokens, dtype=torch.long), q)
 
+    def confidence(self) -> float | None:
+        """The head's top probability after the context (its next-token logits, held since the last accept)."""
+        return None if self.last_logits is None else float(torch.softmax(self.last_logits.float(), -1).max())
+
     def propose_tree(self, shape, max_depth: int) -> Proposal:
         """An EAGLE-2 dynamic tree, or the static tree ``shape`` names (``drafters.eagle3.tree.draft_tree``), after
         the current context."""
@@ -346,6 +350,15 @@ class BatchEagle3Proposer(BatchProposer):
                 Proposal(torch.tensor(tokens[b], dtype=torch.long), None if greedy else torch.stack(qs[b]).cpu())
             )
         return out
+
+    @torch.inference_mode()
+    def confidence(self, keys) -> list[float | None]:
+        """Per row, the head's top probability after its context (the logits of its last prefix entry), for all
+        rows at once."""
+        if not keys:
+            return []
+        logits = torch.stack([self.rows[key].logits for key in keys]).float()
+        return torch.softmax(logits, -1).amax(-1).tolist()
 
     @torch.inference_mode()
     def propose_tree(self, keys, shape, max_depths) -> list[Proposal]:
