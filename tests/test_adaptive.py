@@ -87,6 +87,17 @@ def test_the_choice_follows_cost_and_acceptance():
     assert sum(p.histogram[k] for p in (cheap, dear, middle) for k in range(9)) == 4
 
 
+def test_a_marginal_gain_stays_plain():
+    from draftsmith.core.adaptive import SPECULATE_MARGIN
+
+    policy = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=0.0, draft_ms=1.0), 1)
+    for rate, want in ((0.3, 1), (0.13, 0)):  # expected gain (1 + a) / 1.1: 1.18x drafts, 1.03x stays plain
+        policy.rates = lambda est, confidence=None, rate=rate: [rate]
+        gain = policy.throughput([([rate], 1)], 1) / policy.throughput([([rate], 1)], 0)
+        assert (gain > 1 + SPECULATE_MARGIN) == (want == 1) and gain > 1.0
+        assert policy.choose([(None, 1)]).k == want
+
+
 def test_a_request_estimate_pulls_away_from_the_engine():
     policy = AdaptivePolicy(flat_cost(per_token_ms=2.0, draft_ms=2.0), 8)
     trained(policy, 0.8)

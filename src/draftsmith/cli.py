@@ -272,7 +272,11 @@ def cmd_generate(args) -> int:
     from draftsmith.serve.engine import Engine
 
     engine = Engine.from_pretrained(
-        args.target, args.speculative_config, allow_mismatch=args.allow_mismatch, max_model_len=args.max_model_len
+        args.target,
+        args.speculative_config,
+        allow_mismatch=args.allow_mismatch,
+        max_model_len=args.max_model_len,
+        max_num_seqs=1,  # one prompt (an "auto" cost model is measured for batch size 1)
     )
     ids = prompt_ids(engine.tokenizer, [{"role": "user", "content": args.prompt}])
     gen = GenerationConfig(
@@ -283,7 +287,8 @@ def cmd_generate(args) -> int:
     if out.stats is not None:
         print(
             f"\n[{engine.spec.method}] τ={out.stats.acceptance_length:.2f} acceptance={out.stats.acceptance_rate:.1%} "
-            f"target forwards={out.num_target_forwards} tokens={len(out.tokens)}",
+            f"target forwards={out.num_target_forwards} tokens={len(out.tokens)}"
+            + (f" mean k={out.stats.mean_chosen_k:.2f} (auto)" if out.stats.mean_chosen_k is not None else ""),
             file=sys.stderr,
         )
     return 0

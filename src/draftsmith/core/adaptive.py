@@ -14,6 +14,10 @@ leaves):
     verify, draft: ``CostModel`` (seconds of one target forward over B rows of T tokens, padded as
                ``core.target.TargetModel.forward_batch`` pads; seconds in the proposer for K drafts per row).
 
+Drafting must beat plain decoding by ``SPECULATE_MARGIN`` (expected tokens/s): the model's errors (a profile on
+another context length, a noisy machine, time outside the decode step) are a few percent, and "never slower than
+plain" is worth more than the last few percent of a marginal gain.
+
 One K serves the whole batch: the verify forward pads every row to the longest, so a row drafting less than K
 saves nothing there. The choice is a function of the past only (earlier verify outcomes and the cost model), never
 of this step's drafts, so the output keeps the target's law: any k drafted from q and verified by
@@ -36,8 +40,10 @@ the step drafts, so the choice stays a function of the past. A row whose positio
 none (its drafter has not read them yet).
 
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
-so every step's measured verify and draft seconds also update two scales (``AdaptivePolicy.observe_step``: an
-exponential average of measured ÷ predicted, clipped to [1/4, 4]) that multiply the model's verify and draft costs.
+so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
+an exponential average of measured ÷ modelled, clipped to [1/4, 4]): one per tokens-per-row count T for the verify
+forward and one per k for the drafter (a longer context makes a many-token forward dearer than a one-token one, not
+only dearer), each starting from the average over every T (every k) until its own is measured.
 
 This module is torch-free (the profile that measures a ``CostModel`` is ``core.cost_profile``).
 """
@@ -58,6 +64,7 @@ ENGINE_DECAY = 0.99  #: the engine's counts decay per observation (~100 recent s
 REQUEST_PRIOR = 4.0  #: pseudo-observations of the engine's rates in a request's estimate
 ENGINE_PRIOR = 2.0  #: pseudo-observations of the prior in the engine's estimate
 FIRST_PRIOR = 0.6  #: the engine's prior acceptance at position 1 before any step (optimistic: it gets tried)
+SPECULATE_MARGIN = 0.05  #: drafting is chosen only when its expected tokens/s beats plain's by this fraction
 PROBE_AFTER = 8  #: plain steps in a row before a probe; doubles after each losing probe
 PROBE_MAX = 128  #: longest interval between probes
 CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
@@ -214,7 +221,8 @@ class AdaptivePolicy:
 
     Attributes:
         engine: the engine-wide ``AcceptanceEstimate``. histogram: steps per chosen k (``[k_max + 1]``).
-        verify_scale, draft_scale: measured ÷ modelled cost, averaged over recent steps (module docstring).
+        verify_scale, draft_scale: measured ÷ modelled cost over recent steps, any T / k (module docstring).
+        verify_scales, draft_scales: the same per tokens-per-row T, per k.
     """
 
     def __init__(self, cost: CostModel, k_max: int, *, topk: int | None = None, num_nodes: int | None = None):
@@ -225,6 +233,8 @@ class AdaptivePolicy:
         self.histogram = [0] * (k_max + 1)
         self._plain_run, self._probe_after = 0, PROBE_AFTER
         self.verify_scale = self.draft_scale = 1.0
+        self.verify_scales: dict[int, float] = {}
+        self.draft_scales: dict[int, float] = {}
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
 
     def new_request(self) -> AcceptanceEstimate:
@@ -254,8 +264,9 @@ class AdaptivePolicy:
         tokens = sum(expected_tokens(rates, d) for (rates, _), d in zip(rows, depths))
         longest = max(depths, default=0)
         drafting = sum(1 for d in depths if d > 0)
-        seconds = self.verify_scale * self.cost.verify(len(rows), 1 + self.reads(longest))
-        seconds += self.draft_scale * self.cost.draft(drafting, longest)
+        t = 1 + self.reads(longest)
+        seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(len(rows), t)
+        seconds += self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
         return tokens / max(seconds, 1e-9)
 
     def choose(self, rows: Sequence[tuple]) -> Choice:
@@ -272,6 +283,8 @@ class AdaptivePolicy:
         best_cap = max(cap for _, cap in scored)
         options = [(self.throughput(scored, k), k) for k in range(best_cap + 1)]
         rate, k = max(options, key=lambda o: (o[0], -o[1]))
+        if k > 0 and rate < (1 + SPECULATE_MARGIN) * options[0][0]:
+            rate, k = options[0]
         probe = False
         if k == 0 and best_cap > 0:
             self._plain_run += 1
@@ -297,9 +310,15 @@ class AdaptivePolicy:
             ratio = min(max(measured / modelled, SCALE_RANGE[0]), SCALE_RANGE[1])
             return (1 - SCALE_WEIGHT) * scale + SCALE_WEIGHT * ratio
 
-        self.verify_scale = update(self.verify_scale, verify_s, self.cost.verify(batch_size, tokens_per_row))
+        modelled = self.cost.verify(batch_size, tokens_per_row)
+        self.verify_scales[tokens_per_row] = update(
+            self.verify_scales.get(tokens_per_row, self.verify_scale), verify_s, modelled
+        )
+        self.verify_scale = update(self.verify_scale, verify_s, modelled)
         if k > 0 and drafting > 0:
-            self.draft_scale = update(self.draft_scale, draft_s, self.cost.draft(drafting, k))
+            modelled = self.cost.draft(drafting, k)
+            self.draft_scales[k] = update(self.draft_scales.get(k, self.draft_scale), draft_s, modelled)
+            self.draft_scale = update(self.draft_scale, draft_s, modelled)
 
     def observe(self, request: AcceptanceEstimate | None, num_proposed: int, num_accepted: int) -> None:
         """One row's verify outcome (its path's depth drafted, drafts accepted) updates its and the engine's rates."""

@@ -426,6 +426,7 @@ class BatchDecoder:
         """One verify step over every running row (module docstring, step 3)."""
         rows = self.running
         caps = [self._requested(s) for s in rows]
+        t0 = time.perf_counter()  # the proposer's time (draft_s) includes the accepts made before the choice
         if self.policy is not None:
             self._flush([s for s in rows if s.drafted_last])  # their drafter's confidence needs its state current
             confidence = self._confidence(rows)
@@ -433,7 +434,6 @@ class BatchDecoder:
             ks = [min(choice.k, cap) for cap in caps]
         else:
             ks = caps
-        t0 = time.perf_counter()
         proposals = [Proposal.empty() for _ in rows]
         drafting = [b for b, k in enumerate(ks) if k > 0] if self.proposer is not None else []
         if drafting:

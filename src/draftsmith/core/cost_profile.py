@@ -8,17 +8,20 @@ Both halves run the decode loop itself (``core.batch.BatchDecoder``), so they ti
     target forward over B x T tokens, verification and the cache commit) is the cost of (B, T);
   - draft: the same rows decode with the real proposer at K = 1..k_max drafts per row; ``VerifyStep.draft_s``
     (propose, and the accept of the previous step's positions) is the cost of (B, K).
-Each cell is the median of ``repeats`` steps after one warm-up step; then, per batch size, an affine fit
-(least squares, slope >= 0: ``affine_fit``) over T and over K replaces the cells, so one noisy step on a shared
-machine does not make 4 drafts look cheaper than 3 (the raw medians stay in ``meta``). Costs are nearly affine
-there: a step reads the weights once (the intercept) and does work per token (the slope). The context grows by
-the accepted tokens during a cell (random drafts: about one token per step), so costs are those of
-~``context_len`` tokens of context.
+Each cell is the fastest of ``repeats`` steps after one warm-up step (a busy neighbour only adds time); then, per
+batch size, an affine fit (least squares, slope >= 0: ``affine_fit``) over T >= 2 and over K replaces the cells, so
+one noisy step does not make 4 drafts look cheaper than 3 (the raw times stay in ``meta``). Costs are nearly affine
+there: a step reads the weights once (the intercept) and does work per token (the slope). T = 1 is kept as
+measured: a one-token forward takes the matrix-vector path (no GEMM packing), so a two-token forward costs a
+step more than the line through T >= 2 says (about 1.4x one token on an AVX512 CPU, ``bench/tree_cost.py``),
+and fitting T = 1 with the rest would make plain decoding look dearer and speculation cheaper than they are.
+Costs never decrease with B (a running maximum over batch sizes). The context grows by the accepted tokens during
+a cell (random drafts: about one token per step), so costs are those of ~``context_len`` tokens of context; the
+policy rescales them by what serving measures (``core.adaptive``).
 """
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Callable, Sequence
 
@@ -120,7 +123,7 @@ def _measure(
             decoder.step()
             if i and seen:
                 samples.append(read(seen[0]))  # a step's times are shared by its rows
-        out.append(statistics.median(samples) if samples else 0.0)
+        out.append(min(samples) if samples else 0.0)
     decoder.abort(RuntimeError("profile done"))
     return out
 
@@ -168,6 +171,9 @@ def profile_costs(
     info = dict(meta or {})
     info["profile_seconds"] = round(time.perf_counter() - t0, 2)
     info["measured_verify_s"], info["measured_draft_s"] = raw_v, raw_d
-    verify_s = [affine_fit(verify_tokens, row) for row in raw_v]
+    verify_s = [row[:1] + [max(row[0], v) for v in affine_fit(verify_tokens[1:], row[1:])] for row in raw_v]
     draft_s = [affine_fit(ks, row) for row in raw_d]
+    for table in (verify_s, draft_s):  # never cheaper with more rows
+        for b in range(1, len(table)):
+            table[b] = [max(a, c) for a, c in zip(table[b - 1], table[b])]
     return CostModel(sizes, verify_tokens, verify_s, ks, draft_s, context_len, info)

@@ -298,6 +298,8 @@ class Engine:
                 stats.record(step.proposed, step.accepted)
             if step.k is not None:
                 self.metrics.record_choice(step.k)
+                if stats is not None:
+                    stats.record_choice(step.k)
             if vllm is not None:
                 vllm.record_step(step.proposed, step.accepted)
 
