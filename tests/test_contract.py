@@ -172,6 +172,18 @@ def _varied(prompts: list[list[int]]) -> list[list[int]]:
     return [p[: max(2, len(p) * f // 4)] for f in (4, 2, 3) for p in prompts]
 
 
+def _in_two_waves(decoder: BatchDecoder, seqs: list[BatchSequence]) -> list[BatchSequence]:
+    """Run ``seqs`` through ``decoder``: the first three, two steps, then the others join; returns ``seqs``."""
+    for seq in seqs[:3]:
+        decoder.add(seq)
+    decoder.step()
+    decoder.step()
+    for seq in seqs[3:]:
+        decoder.add(seq)
+    decoder.run()
+    return seqs
+
+
 def _row_stats(stats) -> tuple:
     return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, tuple(stats.accepted_per_pos)
 
@@ -192,14 +204,7 @@ def test_batched_greedy_equals_each_sequence_alone(served, target, name):
     decoder = BatchDecoder(
         engine.target, engine.drafter.new_batch_proposer(), 3, max_num_seqs=4, max_num_batched_tokens=40
     )
-    seqs = [BatchSequence(p, c) for p, c in zip(prompts, cfgs)]
-    for seq in seqs[:3]:
-        decoder.add(seq)
-    decoder.step()
-    decoder.step()
-    for seq in seqs[3:]:
-        decoder.add(seq)
-    decoder.run()
+    seqs = _in_two_waves(decoder, [BatchSequence(p, c) for p, c in zip(prompts, cfgs)])
     for i, seq in enumerate(seqs):
         assert seq.error is None and seq.result.tokens == plain[i], f"{name} on {target}: sequence {i} differs"
         assert _row_stats(seq.stats) == _row_stats(alone[i]), f"{name} on {target}: sequence {i} drafted otherwise"
@@ -245,14 +250,7 @@ def test_any_k_schedule_keeps_greedy_equal_to_plain(served, target, name):
     decoder = BatchDecoder(
         engine.target, engine.drafter.new_batch_proposer(), engine.k, max_num_seqs=4, policy=schedule
     )
-    seqs = [BatchSequence(p, c) for p, c in zip(prompts, cfgs)]
-    for seq in seqs[:3]:
-        decoder.add(seq)
-    decoder.step()
-    decoder.step()
-    for seq in seqs[3:]:
-        decoder.add(seq)
-    decoder.run()
+    seqs = _in_two_waves(decoder, [BatchSequence(p, c) for p, c in zip(prompts, cfgs)])
     for i, seq in enumerate(seqs):
         assert seq.error is None and seq.result.tokens == plain[i], f"{name} on {target}: sequence {i} differs"
         assert sum(seq.stats.chosen_k.values()) == seq.forwards - 1  # every verify step recorded its choice

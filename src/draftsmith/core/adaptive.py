@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import bisect
 import json
-import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -337,9 +336,3 @@ class AdaptivePolicy:
 
 def _bin(confidence: float) -> int:
     return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
-
-
-def geometric_mean(values: Sequence[float]) -> float:
-    """exp(mean(log v)) of positive values (NaN when empty)."""
-    vals = [v for v in values if v > 0]
-    return math.exp(sum(math.log(v) for v in vals) / len(vals)) if vals else float("nan")

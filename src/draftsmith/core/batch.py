@@ -85,8 +85,9 @@ class StepPolicy(Protocol):
     def new_request(self) -> object:
         """Per-request state, kept in ``BatchSequence.estimate``."""
 
-    def choose(self, rows: Sequence[tuple[object, int]]) -> Choice:
-        """k for this step, given each running row's (state, most drafts it may ask for)."""
+    def choose(self, rows: Sequence[tuple[object, int, float | None]]) -> Choice:
+        """k for this step, given each running row's (state, most drafts it may ask for, the drafter's confidence
+        in its next draft or None)."""
 
     def observe(self, request: object, num_proposed: int, num_accepted: int) -> None:
         """One row's verify outcome: the depth it drafted and the drafts accepted."""
@@ -542,7 +543,7 @@ class BatchDecoder:
             finals.append(torch.cat([f for _, _, f in parts]) if parts[0][2] is not None else None)
             seq.pending = []
         counts = [e.numel() for e in emitted]
-        step = BatchTargetStep(None, _padded(auxes, max(counts)), _padded(finals, max(counts)), counts)
+        step = BatchTargetStep(None, _padded(auxes), _padded(finals), counts)
         self.proposer.accept([s.key for s in seqs], [c - 1 for c in counts], emitted, step)
 
     def _check(self, proposal: Proposal, requested: int) -> Proposal:
@@ -571,14 +572,9 @@ class BatchDecoder:
         return verify_tree_sampling(p.tokens, p.parents, seq.cfg.probs(logits), seq.generator)
 
 
-def _padded(rows: list[torch.Tensor | None], t: int) -> torch.Tensor | None:
-    """``[B, t, D]``: each ``[t_b, D]`` row zero-padded to ``t`` (None when the rows are None)."""
-    if rows[0] is None:
-        return None
-    out = rows[0].new_zeros(len(rows), t, rows[0].shape[-1])
-    for b, x in enumerate(rows):
-        out[b, : x.shape[0]] = x
-    return out
+def _padded(rows: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """``[B, T, D]``: each ``[t_b, D]`` row zero-padded to the longest (None when the rows are None)."""
+    return None if rows[0] is None else torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
 
 
 def generate_batch(
