@@ -246,7 +246,7 @@ class RandomSchedule:
     def new_request(self):
         return None
 
-    def choose(self, rows):
+    def choose(self, rows, batch_size=None):
         from draftsmith.core.adaptive import Choice
 
         plain = bool(torch.rand((), generator=self.generator) < 0.5)

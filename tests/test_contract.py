@@ -288,12 +288,16 @@ def test_any_k_schedule_keeps_sampling_lossless(stub, name, batch_size):
 
 
 class _Logged:
-    """A ``BatchProposer`` that records what ``inner`` proposes (tokens per row, per call)."""
+    """A ``BatchProposer`` that records what ``inner`` proposes (tokens per row, per call) and which rows start."""
 
     def __init__(self, inner):
-        self.inner, self.proposed = inner, []
+        self.inner, self.proposed, self.started = inner, [], []
         self.needs_aux_hidden, self.needs_final_hidden = inner.needs_aux_hidden, inner.needs_final_hidden
-        self.start, self.accept, self.stop, self.name = inner.start, inner.accept, inner.stop, inner.name
+        self.accept, self.stop, self.name = inner.accept, inner.stop, inner.name
+
+    def start(self, key, *args):
+        self.started.append(key)
+        return self.inner.start(key, *args)
 
     def propose(self, keys, ks):
         out = self.inner.propose(keys, ks)
@@ -303,8 +307,10 @@ class _Logged:
 
 @pytest.mark.parametrize("name", NAMES)
 def test_deferred_accepts_draft_what_step_by_step_accepts_draft(served, monkeypatch, name):
-    """Plain steps' positions reach the drafter as one accept before its next propose (``core.batch``): its drafts
-    then equal those of a drafter that accepted every step's positions at once (``PENDING_LIMIT`` 1)."""
+    """Plain steps' positions reach the drafter as one accept before its next propose, and a row's drafter starts
+    at its first draft over the whole context so far (``core.batch``): its drafts then equal those of a drafter
+    started at prefill that accepted every step's positions at once (``START_LIMIT`` 0, ``PENDING_LIMIT`` 1); a
+    row that never drafts never starts its drafter."""
     from draftsmith.core import batch
     from draftsmith.core.adaptive import Choice
 
@@ -320,8 +326,8 @@ def test_deferred_accepts_draft_what_step_by_step_accepts_draft(served, monkeypa
         def new_request(self):
             return None
 
-        def choose(self, rows):
-            return Choice(next(self.steps, 3), 0.0)
+        def choose(self, rows, batch_size=None):
+            return Choice(next(self.steps, plan[-1]), 0.0)
 
         def observe(self, *args):
             return None
@@ -335,11 +341,17 @@ def test_deferred_accepts_draft_what_step_by_step_accepts_draft(served, monkeypa
         for ids in prompts:
             decoder.add(BatchSequence(ids, GenerationConfig(max_new_tokens=len(plan) + 4)))
         decoder.run()
-        return proposer.proposed
+        return proposer
 
-    deferred = drafts()
+    deferred = drafts().proposed
+    mixed, plan = plan, [0] * len(plan)
+    assert drafts().started == [], f"{name}: a row that never drafts started its drafter"
+    plan = mixed
     monkeypatch.setattr(batch, "PENDING_LIMIT", 1)
-    assert drafts() == deferred, f"{name}: drafts after a deferred accept differ"
+    monkeypatch.setattr(batch, "START_LIMIT", 0)
+    eager = drafts()
+    assert len(eager.started) == len(prompts)
+    assert eager.proposed == deferred, f"{name}: drafts after a deferred start or accept differ"
     assert sum(len(t) for call in deferred for t in call) > 0
 
 

@@ -19,7 +19,20 @@ another context length, a noisy machine, time outside the decode step) are a few
 plain" is worth more than the last few percent of a marginal gain.
 
 One K serves the whole batch: the verify forward pads every row to the longest, so a row drafting less than K
-saves nothing there. The choice is a function of the past only (earlier verify outcomes and the cost model), never
+saves nothing there. The batch is priced at the size it will decode at, not only at the rows running now: while
+requests wait to join (their prefill in progress, ``core.batch``), B is running + waiting (at most max_num_seqs),
+the running rows standing for the whole batch (tokens and drafting rows scaled by B / running). A token drafted
+while the batch ramps up saves a step of the full batch, not of the few rows running, so drafting is chosen for
+the batch size it will pay at (else it wins a few cheap steps at the start and loses the drafter's starts).
+
+A row's drafter starts at its first draft (``core.batch``): a forward over its whole context so far, ~65 us per
+position for an EAGLE-3 head on the reference target, as much as a plain step for a 200-token prompt. A row that
+has not started is charged its start at ``start_s_per_position`` (measured on every start, 0 until the first),
+spread over the tokens it may still emit: a step drafting d for it pays E(d) / cap of its start. So a request
+with most of its tokens ahead starts its drafter for almost nothing, and one near its end does not start it to
+win one step.
+
+The choice is a function of the past only (earlier verify outcomes and the cost model), never
 of this step's drafts, so the output keeps the target's law: any k drafted from q and verified by
 ``core.verify`` is lossless (the contract tests run every drafter with ``auto``).
 
@@ -28,9 +41,11 @@ drafted k' tokens along its path and accepted n counts positions 1..n as accepte
 n < k') as rejected (vLLM's per-position acceptance; a tree counts its accepted path's depth). A request's rates
 are shrunk towards the engine's (``AdaptivePolicy.rates``), whose own prior for position i is its estimate at
 i - 1 (a position never tried is assumed as good as the one before it). When zero drafts win, nothing is learnt;
-so after ``PROBE_AFTER`` plain steps in a row the policy drafts once at its best positive K (a probe), and the
-interval doubles while probes keep losing (up to ``PROBE_MAX``): at most ~1/PROBE_MAX of steps are probes once
-speculation does not pay.
+so the policy drafts once at its best positive K (a probe) when exploring is affordable: at least ``PROBE_AFTER``
+plain steps in a row, and probes cost at most ``PROBE_BUDGET`` of the plain decoding time since the last one. A
+probe's cost is its step's seconds beyond a plain step's: modelled before the first probe, then as last measured
+(it includes the drafter starts and catch-up accepts the probe triggers, which the model does not know). So where
+speculation does not pay, auto loses at most ~PROBE_BUDGET to exploring, at any batch size and drafter cost.
 
 The drafter's own confidence, where it has one before drafting (``BatchProposer.confidence``: an EAGLE-3 head
 holds its next-token logits after each accept), refines position 1: the engine keeps decayed acceptance counts of
@@ -64,11 +79,12 @@ REQUEST_PRIOR = 4.0  #: pseudo-observations of the engine's rates in a request's
 ENGINE_PRIOR = 2.0  #: pseudo-observations of the prior in the engine's estimate
 FIRST_PRIOR = 0.6  #: the engine's prior acceptance at position 1 before any step (optimistic: it gets tried)
 SPECULATE_MARGIN = 0.05  #: drafting is chosen only when its expected tokens/s beats plain's by this fraction
-PROBE_AFTER = 8  #: plain steps in a row before a probe; doubles after each losing probe
-PROBE_MAX = 128  #: longest interval between probes
+PROBE_AFTER = 8  #: fewest plain steps in a row before a probe
+PROBE_BUDGET = 0.02  #: probes cost at most this fraction of the plain decoding time since the last probe
 CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
 SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
 SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
+START_WEIGHT = 0.2  #: weight of one measured drafter start in ``start_s_per_position``
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -230,11 +246,15 @@ class AdaptivePolicy:
         self.cost, self.k_max, self.topk, self.num_nodes = cost, k_max, topk, num_nodes
         self.engine = AcceptanceEstimate(k_max, ENGINE_DECAY)
         self.histogram = [0] * (k_max + 1)
-        self._plain_run, self._probe_after = 0, PROBE_AFTER
+        self._plain_run = 0
+        self._plain_s = 0.0  # seconds of plain steps since the last probe (or drafting step)
+        self._probe_cost: float | None = None  # a probe step's measured seconds beyond a plain step's
+        self._probing = False  # the step being chosen / observed is a probe
         self.verify_scale = self.draft_scale = 1.0
         self.verify_scales: dict[int, float] = {}
         self.draft_scales: dict[int, float] = {}
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
+        self.start_s_per_position = 0.0  #: measured seconds of a drafter start per context position read
 
     def new_request(self) -> AcceptanceEstimate:
         """A fresh estimate for one request (its rates start at the engine's)."""
@@ -257,51 +277,93 @@ class AdaptivePolicy:
             return k
         return min(k * self.topk, self.num_nodes or k * self.topk)
 
-    def throughput(self, rows: Sequence[tuple[list[float], int]], k: int) -> float:
-        """Expected emitted tokens per second of one step drafting ``k`` per row; ``rows``: (rates, cap) each."""
-        depths = [min(k, cap) for _, cap in rows]
-        tokens = sum(expected_tokens(rates, d) for (rates, _), d in zip(rows, depths))
-        longest = max(depths, default=0)
-        drafting = sum(1 for d in depths if d > 0)
-        t = 1 + self.reads(longest)
-        seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(len(rows), t)
-        seconds += self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
-        return tokens / max(seconds, 1e-9)
+    def throughput(self, rows: Sequence[tuple], k: int, batch_size: int | None = None) -> float:
+        """Expected emitted tokens per second of one step drafting ``k`` per row; ``rows``: (rates, cap[, context
+        positions its drafter must read to start, 0 when started]) each, standing for ``batch_size`` rows (default:
+        themselves; module docstring)."""
+        tokens, starts = 0.0, 0.0
+        for rates, cap, *start in rows:
+            e = expected_tokens(rates, min(k, cap))
+            tokens += e
+            if start and start[0] and min(k, cap) > 0:  # its start, spread over the tokens it may still emit
+                starts += start[0] * self.start_s_per_position * min(1.0, e / max(cap, 1))
+        scale = max(batch_size or len(rows), len(rows)) / max(len(rows), 1)
+        seconds = self.step_seconds(rows, k, batch_size) + starts * scale
+        return tokens * scale / max(seconds, 1e-9)
 
-    def choose(self, rows: Sequence[tuple]) -> Choice:
+    def choose(self, rows: Sequence[tuple], batch_size: int | None = None) -> Choice:
         """This step's k for ``rows``, each (its estimate, the most it may draft[, the drafter's confidence in its
-        next draft or None]); counted in ``histogram``."""
+        next draft or None]), priced at ``batch_size`` rows (the batch once the waiting requests have joined;
+        default: the rows given; module docstring); counted in ``histogram``."""
         if not rows:
             return Choice(0, 0.0)
         scored = []
         for row in rows:
-            est, cap, confidence = (*row, None)[:3]
+            est, cap, confidence, start = (*row, None, 0)[:4]
             if est is not None:
                 est.confidence = confidence
-            scored.append((self.rates(est, confidence), max(0, min(cap, self.k_max))))
-        best_cap = max(cap for _, cap in scored)
-        options = [(self.throughput(scored, k), k) for k in range(best_cap + 1)]
+            scored.append((self.rates(est, confidence), max(0, min(cap, self.k_max)), start))
+        best_cap = max(cap for _, cap, _ in scored)
+        options = [(self.throughput(scored, k, batch_size), k) for k in range(best_cap + 1)]
         rate, k = max(options, key=lambda o: (o[0], -o[1]))
         if k > 0 and rate < (1 + SPECULATE_MARGIN) * options[0][0]:
             rate, k = options[0]
         probe = False
         if k == 0 and best_cap > 0:
             self._plain_run += 1
-            if self._plain_run >= self._probe_after:  # learn again: draft once at the best positive k
-                rate, k = max(options[1:], key=lambda o: (o[0], -o[1]))
-                probe, self._plain_run = True, 0
-                self._probe_after = min(2 * self._probe_after, PROBE_MAX)
+            rate_k, k_probe = max(options[1:], key=lambda o: (o[0], -o[1]))
+            if self._plain_run >= PROBE_AFTER and self._plain_s * PROBE_BUDGET >= self.probe_cost(scored, k_probe):
+                rate, k, probe = rate_k, k_probe, True  # learn again: draft once at the best positive k
+                self._plain_run, self._plain_s = 0, 0.0
         elif k > 0:
-            self._plain_run, self._probe_after = 0, PROBE_AFTER
+            self._plain_run, self._plain_s = 0, 0.0
+        self._probing = probe
         self.histogram[k] += 1
         return Choice(k, rate, probe)
 
+    def step_seconds(self, rows: Sequence[tuple[list[float], int]], k: int, batch_size: int | None = None) -> float:
+        """Modelled seconds of one step drafting ``k`` per row, ``rows`` standing for ``batch_size`` rows
+        (``throughput``'s denominator)."""
+        depths = [min(k, row[1]) for row in rows]
+        longest = max(depths, default=0)
+        b = max(batch_size or len(rows), len(rows))
+        drafting = round(sum(1 for d in depths if d > 0) * b / max(len(rows), 1))
+        t = 1 + self.reads(longest)
+        seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(b, t)
+        return seconds + self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
+
+    def probe_cost(self, rows: Sequence[tuple[list[float], int]], k: int) -> float:
+        """Seconds a probe at ``k`` costs beyond a plain step: as last measured, else modelled (module docstring)."""
+        if self._probe_cost is not None:
+            return self._probe_cost
+        return max(0.0, self.step_seconds(rows, k) - self.step_seconds(rows, 0))
+
     def observe_step(
-        self, batch_size: int, tokens_per_row: int, drafting: int, k: int, verify_s: float, draft_s: float
+        self,
+        batch_size: int,
+        tokens_per_row: int,
+        drafting: int,
+        k: int,
+        verify_s: float,
+        draft_s: float,
+        start_s: float = 0.0,
+        start_positions: int = 0,
     ) -> None:
         """One step's measured costs: a verify forward over ``batch_size`` rows of ``tokens_per_row`` tokens took
-        ``verify_s`` seconds, ``drafting`` rows drafting ``k`` took ``draft_s`` in the proposer; they update the
-        scales."""
+        ``verify_s`` seconds, ``drafting`` rows drafting ``k`` took ``draft_s`` in the proposer (drafts and
+        accepts), and drafter starts over ``start_positions`` context positions in all took ``start_s`` (a row's
+        first draft: ``core.batch``). Verify and draft seconds update the scales, starts the cost per position; a
+        plain step's seconds count towards the probe budget, a probe's set its cost."""
+        if start_positions > 0:
+            per_position = start_s / start_positions
+            w = START_WEIGHT if self.start_s_per_position > 0 else 1.0
+            self.start_s_per_position = (1 - w) * self.start_s_per_position + w * per_position
+        if k == 0:
+            self._plain_s += verify_s + draft_s + start_s
+        elif self._probing:
+            plain = self.verify_scales.get(1, self.verify_scale) * self.cost.verify(batch_size, 1)
+            self._probe_cost = max(0.0, verify_s + draft_s + start_s - plain)
+        self._probing = False
 
         def update(scale: float, measured: float, modelled: float) -> float:
             if measured <= 0 or modelled <= 0:

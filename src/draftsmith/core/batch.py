@@ -6,8 +6,9 @@ One ``BatchDecoder.step()``:
      running rows read this step): whole prompts that fit are prefilled together in one ragged forward (while
      padding to the longest adds at most ``PREFILL_PADDING``; logits of each row's last token only); the
      first that does not fit is prefilled in chunks over several steps (chunked prefill), so running rows
-     never wait more than one budget's worth of prefill. A prefilled row takes its first token from the target,
-     ``BatchProposer.start``, and joins the running batch;
+     never wait more than one budget's worth of prefill. A prefilled row takes its first token from the target
+     and joins the running batch; its drafter starts (``BatchProposer.start``) when the row first drafts
+     (below);
   3. running rows: each asks for k'_b = min(k, max_new_tokens_b - emitted_b - 1) drafts (``BatchProposer.
      propose``: one call for the batch); ONE target forward reads [last token_b, d_b1..d_bk'] for every row
      (``TargetModel.forward_batch``: padded, per-row positions and masks); each row is verified alone (greedy or
@@ -22,7 +23,14 @@ its verified positions wait (``BatchSequence.pending``) and reach ``BatchPropose
 row's next ``propose`` (or once ``PENDING_LIMIT`` tokens wait): several plain steps are one context extension of
 n + 1 positions, which every proposer reads as after a verify step that accepted n drafts. So a plain step costs
 the drafter nothing, and a drafter catches up in one forward when drafting resumes. Accepts are deferred so for
-every row (a fixed k too): the accept of a row's last step, after which it leaves, is never made. With a policy,
+every row (a fixed k too): the accept of a row's last step, after which it leaves, is never made.
+
+The drafter's start is deferred the same way (lazy start): a row's prefill states wait with its pending positions,
+and the row's first draft starts its drafter ONCE over the whole context so far (prompt + every token read since:
+``start(prompt + read, last emitted, prefill + pending states)``, which every proposer reads as a start followed
+by accepts: it depends on the context only). So a row that never drafts (``auto`` choosing plain decoding
+throughout, or no drafts left to ask for) costs its drafter nothing, not even a prefill; a row that has not
+started holds at most ``START_LIMIT`` pending positions (then it starts). With a policy,
 a row that drafted in its last step is brought up to date before the choice, so that the drafter's confidence in
 its next draft (``BatchProposer.confidence``) can inform it.
 
@@ -77,6 +85,8 @@ from draftsmith.core.verify import verify_greedy, verify_sampling
 _keys = itertools.count()
 PREFILL_PADDING = 1.25  #: newcomers are prefilled together while padding adds at most 25% to their tokens
 PENDING_LIMIT = 32  #: a row's deferred positions reach its proposer once this many wait (bounded memory)
+START_LIMIT = 1024  #: a row whose drafter has not started holds at most this many pending positions (0: start at
+#: prefill, eagerly)
 
 
 class StepPolicy(Protocol):
@@ -85,17 +95,29 @@ class StepPolicy(Protocol):
     def new_request(self) -> object:
         """Per-request state, kept in ``BatchSequence.estimate``."""
 
-    def choose(self, rows: Sequence[tuple[object, int, float | None]]) -> Choice:
+    def choose(self, rows: Sequence[tuple[object, int, float | None, int]], batch_size: int | None = None) -> Choice:
         """k for this step, given each running row's (state, most drafts it may ask for, the drafter's confidence
-        in its next draft or None)."""
+        in its next draft or None, context positions its drafter must read to start: 0 once started);
+        ``batch_size``: the rows the batch will decode with once the waiting requests have joined (running +
+        waiting, at most ``max_num_seqs``)."""
 
     def observe(self, request: object, num_proposed: int, num_accepted: int) -> None:
         """One row's verify outcome: the depth it drafted and the drafts accepted."""
 
     def observe_step(
-        self, batch_size: int, tokens_per_row: int, drafting: int, k: int, verify_s: float, draft_s: float
+        self,
+        batch_size: int,
+        tokens_per_row: int,
+        drafting: int,
+        k: int,
+        verify_s: float,
+        draft_s: float,
+        start_s: float = 0.0,
+        start_positions: int = 0,
     ) -> None:
-        """One step's measured seconds: the verify forward (rows, padded tokens per row) and the proposer."""
+        """One step's measured seconds: the verify forward (rows, padded tokens per row), the proposer's drafts
+        and accepts, and the drafter starts (lazy: a row's first draft) made in the step over ``start_positions``
+        context positions in all."""
 
 
 @dataclass(eq=False)
@@ -123,6 +145,7 @@ class BatchSequence:
             its first and its latest tokens were emitted, when it ended (None until then); the engine's metrics
             read them (vLLM's QUEUED / SCHEDULED / NEW_TOKENS events, ``vllm/v1/metrics/stats.py``).
         estimate: the decoder policy's per-request state (``core.adaptive.AcceptanceEstimate``), or None.
+        started: its drafter has started (``BatchProposer.start``; lazy: at its first draft, module docstring).
         pending: verified positions not yet given to the proposer: (emitted ``[n+1]``, aux ``[n+1, 3H]`` or None,
             final ``[n+1, H]`` or None) per step since its last ``accept`` (module docstring).
     """
@@ -157,11 +180,12 @@ class BatchSequence:
         self.aux_chunks: list[torch.Tensor] = []
         self.final_chunks: list[torch.Tensor] = []
         self.generator: torch.Generator | None = None
-        self.started = False  # joined the running batch (proposer started)
-        self.start_s = 0.0  # seconds of proposer.start, reported with the first verify step
+        self.started = False  # its drafter has started (proposer.start)
+        self.prefill: TargetStep | None = None  # its prefill's states, until its drafter starts
         self.estimate: object | None = None
         self.drafted_last = False  # the row drafted in its latest verify step
         self.pending: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+        self.pending_positions = 0  # positions in ``pending``
 
     @property
     def tokens(self) -> list[int]:
@@ -228,6 +252,7 @@ class BatchDecoder:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.final_hidden = bool(proposer is not None and proposer.needs_final_hidden)
         self.cache = BatchKVCache(target.model.config)
+        self._start_s, self._start_positions = 0.0, 0  # drafter starts in the current step: seconds, positions
         self.running: list[BatchSequence] = []  # in cache row order
         self.waiting: list[BatchSequence] = []  # arrival order; the first may be partly prefilled
 
@@ -269,7 +294,7 @@ class BatchDecoder:
                 self.proposer.stop(seq.key)
             if not seq.done:
                 seq.error, seq.done = error, True
-            seq.cache, seq.pending = None, []
+            seq.cache, seq.pending, seq.prefill, seq.pending_positions = None, [], None, 0
         self.running, self.waiting = [], []
         self.cache = BatchKVCache(self.target.model.config)
         return ended
@@ -304,7 +329,7 @@ class BatchDecoder:
         seq.done = True
         if seq.finished_s is None:
             seq.finished_s = time.perf_counter()
-        seq.cache, seq.pending = None, []
+        seq.cache, seq.pending, seq.prefill, seq.pending_positions = None, [], None, 0
         seq.aux_chunks, seq.final_chunks = [], []
         if seq.error is None:
             seq.result = GenerationResult(list(seq.tokens), seq.finish_reason, seq.stats, seq.forwards)
@@ -403,16 +428,14 @@ class BatchDecoder:
             if self._emit(seq, [first]):
                 ended.append(seq)
                 continue
-            if self.proposer is not None:
-                prefill = TargetStep(
-                    logits=row.logits,
+            if self.proposer is not None:  # its drafter starts at its first draft (``_flush``)
+                seq.prefill = TargetStep(
+                    logits=None,
                     aux_hidden=torch.cat(seq.aux_chunks) if seq.aux_chunks else None,
                     final_hidden=torch.cat(seq.final_chunks) if seq.final_chunks else None,
                 )
-                t0 = time.perf_counter()
-                self.proposer.start(seq.key, seq.prompt, first, prefill, seq.sampling)
-                seq.start_s = time.perf_counter() - t0
-                seq.started = True
+                if START_LIMIT <= 0:
+                    self._start(seq)
             seq.aux_chunks, seq.final_chunks, seq.cache = [], [], None
             joined.append(b)
         finished_rows = [b for b, s in enumerate(group) if s.done or s.prefilled < len(s.prompt)]
@@ -427,11 +450,16 @@ class BatchDecoder:
         """One verify step over every running row (module docstring, step 3)."""
         rows = self.running
         caps = [self._requested(s) for s in rows]
+        self._start_s, self._start_positions = 0.0, 0
         t0 = time.perf_counter()  # the proposer's time (draft_s) includes the accepts made before the choice
         if self.policy is not None:
             self._flush([s for s in rows if s.drafted_last])  # their drafter's confidence needs its state current
             confidence = self._confidence(rows)
-            choice = self.policy.choose([(s.estimate, cap, c) for s, cap, c in zip(rows, caps, confidence)])
+            soon = min(self.max_num_seqs, len(rows) + len(self.waiting))  # the batch once the waiting have joined
+            starts = [0 if s.started else len(s.prompt) + len(s.tokens) - 1 for s in rows]  # positions to read
+            choice = self.policy.choose(
+                [(s.estimate, cap, c, n) for s, cap, c, n in zip(rows, caps, confidence, starts)], batch_size=soon
+            )
             ks = [min(choice.k, cap) for cap in caps]
         else:
             ks = caps
@@ -480,7 +508,10 @@ class BatchDecoder:
         t3 = time.perf_counter()
         if self.policy is not None:
             tokens = 1 + max(p.tokens.numel() for p in proposals)
-            self.policy.observe_step(len(rows), tokens, len(drafting), max(ks), t2 - t1, (t1 - t0) + (t3 - t2))
+            draft_s = (t1 - t0) + (t3 - t2) - self._start_s
+            self.policy.observe_step(
+                len(rows), tokens, len(drafting), max(ks), t2 - t1, draft_s, self._start_s, self._start_positions
+            )
         ended = []
         for seq, p, k, n, out, rank in zip(rows, proposals, ks, ns, emitted, ranks):
             seq.forwards += 1
@@ -494,8 +525,7 @@ class BatchDecoder:
                 self.policy.observe(seq.estimate, depth, n)
                 seq.stats.record_choice(k)
             if seq.on_step is not None:
-                draft_s = (t1 - t0) + (t3 - t2) + seq.start_s
-                seq.start_s = 0.0
+                draft_s = (t1 - t0) + (t3 - t2)
                 try:
                     seq.on_step(
                         VerifyStep(int(p.tokens.numel()), n, out.tolist(), draft_s, t2 - t1, k if self.policy else None)
@@ -511,8 +541,8 @@ class BatchDecoder:
 
     def _confidence(self, rows: list[BatchSequence]) -> list[float | None]:
         """The proposer's confidence in each row's next draft (``BatchProposer.confidence``); None for rows whose
-        positions wait for a deferred accept (their drafter has not read them)."""
-        ready = [b for b, s in enumerate(rows) if not s.pending]
+        positions wait for a deferred accept or start (their drafter has not read them)."""
+        ready = [b for b, s in enumerate(rows) if s.started and not s.pending]
         out: list[float | None] = [None] * len(rows)
         if ready and hasattr(self.proposer, "confidence"):
             for b, c in zip(ready, self.proposer.confidence([rows[b].key for b in ready])):
@@ -521,17 +551,23 @@ class BatchDecoder:
 
     def _defer(self, rows: list[BatchSequence], ns: list[int], emitted: list[torch.Tensor], step) -> None:
         """Keep each row's verified positions (rows 0..n of ``step``, a chain's layout) for its next ``accept``;
-        rows with ``PENDING_LIMIT`` positions waiting are flushed now."""
+        rows with ``PENDING_LIMIT`` positions waiting (``START_LIMIT`` before their drafter started) are flushed
+        now."""
         for b, (seq, n, out) in enumerate(zip(rows, ns, emitted)):
             aux = step.aux_hidden[b, : n + 1] if step.aux_hidden is not None else None
             final = step.final_hidden[b, : n + 1] if step.final_hidden is not None else None
             seq.pending.append((out[: n + 1], aux, final))
-        full = [s for s in rows if sum(e.numel() for e, _, _ in s.pending) >= PENDING_LIMIT]
+            seq.pending_positions += n + 1
+        full = [s for s in rows if s.pending_positions >= (PENDING_LIMIT if s.started else START_LIMIT)]
         if full:
             self._flush(full)
 
     def _flush(self, seqs: list[BatchSequence]) -> None:
-        """ONE ``proposer.accept`` over the positions waiting in each of ``seqs`` (module docstring)."""
+        """Bring the drafter of each of ``seqs`` up to date: a row whose drafter has not started starts over its
+        whole context (``_start``); the others get ONE ``proposer.accept`` over the positions waiting in each
+        (module docstring)."""
+        for seq in [s for s in seqs if not s.started]:
+            self._start(seq)
         seqs = [s for s in seqs if s.pending]
         if not seqs:
             return
@@ -541,10 +577,31 @@ class BatchDecoder:
             emitted.append(torch.cat([e for e, _, _ in parts]))
             auxes.append(torch.cat([a for _, a, _ in parts]) if parts[0][1] is not None else None)
             finals.append(torch.cat([f for _, _, f in parts]) if parts[0][2] is not None else None)
-            seq.pending = []
+            seq.pending, seq.pending_positions = [], 0
         counts = [e.numel() for e in emitted]
         step = BatchTargetStep(None, _padded(auxes), _padded(finals), counts)
         self.proposer.accept([s.key for s in seqs], [c - 1 for c in counts], emitted, step)
+
+    def _start(self, seq: BatchSequence) -> None:
+        """Start ``seq``'s drafter (lazy, module docstring): the context is the prompt and every token the target has
+        read since (its first token, then each step's emitted tokens but the last), the states are the prefill's
+        followed by the pending steps', and the last emitted token is the one the target has not read yet."""
+        emitted = [e for e, _, _ in seq.pending]
+        read = torch.cat([torch.tensor([seq.tokens[0]]), *emitted])  # every emitted token; the last is unread
+        context = torch.cat([seq.prompt, read[:-1].to(seq.prompt.dtype)])
+        prefill = seq.prefill
+        aux = [prefill.aux_hidden, *(a for _, a, _ in seq.pending)] if prefill.aux_hidden is not None else None
+        final = [prefill.final_hidden, *(f for _, _, f in seq.pending)] if prefill.final_hidden is not None else None
+        step = TargetStep(
+            logits=None,
+            aux_hidden=torch.cat(aux) if aux is not None else None,
+            final_hidden=torch.cat(final) if final is not None else None,
+        )
+        t0 = time.perf_counter()
+        self.proposer.start(seq.key, context, int(read[-1]), step, seq.sampling)
+        self._start_s += time.perf_counter() - t0
+        self._start_positions += int(context.numel())
+        seq.started, seq.prefill, seq.pending, seq.pending_positions = True, None, [], 0
 
     def _check(self, proposal: Proposal, requested: int) -> Proposal:
         """``check_proposal``, and for a tree: at most the shape's nodes, at most ``requested`` deep."""

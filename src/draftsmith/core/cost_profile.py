@@ -44,7 +44,7 @@ class _Schedule:
     def new_request(self) -> None:
         return None
 
-    def choose(self, rows) -> Choice:
+    def choose(self, rows, batch_size=None) -> Choice:
         return Choice(self.k, 0.0)
 
     def observe(self, request, num_proposed: int, num_accepted: int) -> None:

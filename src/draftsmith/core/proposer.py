@@ -175,9 +175,11 @@ class BatchProposer(abc.ABC):
 
     @abc.abstractmethod
     def start(self, key: int, prompt_ids: torch.Tensor, first_token: int, target_step, sampling: Sampling) -> None:
-        """A sequence joins: context = ``prompt_ids`` ``[T]`` + ``first_token``; ``target_step`` is its prefill
-        (``aux_hidden`` / ``final_hidden`` over the T prompt rows; ``logits`` over at least the last one);
-        ``sampling``: how its drafts are drawn."""
+        """A sequence joins: context = ``prompt_ids`` ``[T]`` + ``first_token``; ``target_step`` holds the target's
+        states over the T context rows (``aux_hidden`` / ``final_hidden``; ``logits`` may be None: no drafter reads
+        them); ``sampling``: how its drafts are drawn. ``core.batch`` starts a row at its first draft, so the
+        context may already hold tokens the target emitted: a start must depend on the context only (a start over
+        prompt + emitted equals a start over the prompt followed by the accepts of those tokens)."""
 
     @abc.abstractmethod
     def propose(self, keys: Sequence[int], ks: Sequence[int]) -> list[Proposal]:
