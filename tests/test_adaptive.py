@@ -88,6 +88,37 @@ def test_the_choice_follows_cost_and_acceptance():
     assert sum(p.histogram[k] for p in (cheap, dear, middle) for k in range(9)) == 4
 
 
+def test_the_batch_is_priced_with_the_requests_about_to_join():
+    """Two rows running while 30 wait: drafting is chosen as for the 32-row batch they will decode in (dear to
+    verify there), not as for 2 rows (free to verify)."""
+    ts, ks = list(range(1, 10)), list(range(1, 9))
+    cost = CostModel(
+        [1, 2, 32],
+        ts,
+        [[0.010] * len(ts), [0.010] * len(ts), [0.030 * t for t in ts]],
+        ks,
+        [[0.0005 * k for k in ks]] * 3,
+    )
+    policy = AdaptivePolicy(cost, 8)
+    trained(policy, 0.6)
+    rows = [(None, 8), (None, 8)]
+    assert policy.choose(rows).k > 0
+    assert policy.choose(rows, batch_size=32).k == 0
+    assert policy.choose(rows, batch_size=1).k > 0  # never below the rows running
+
+
+def test_a_drafter_start_is_charged_over_the_tokens_left():
+    """A row whose drafter has not started pays its start (measured per position) spread over the tokens it may
+    still emit: with most of its tokens ahead it drafts, near its end it stays plain."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
+    trained(policy, 0.7)
+    policy.observe_step(1, 1, 0, 0, 0.011, 0.0, start_s=0.020, start_positions=200)  # 0.1 ms per position
+    assert policy.start_s_per_position == pytest.approx(1e-4)
+    assert policy.choose([(None, 8, None, 0)]).k > 0  # started: nothing to pay
+    assert policy.choose([(None, 2, None, 200)]).k == 0  # 2 tokens left: the whole 20 ms start now
+    assert policy.choose([(None, 200, None, 200)]).k > 0  # 200 left: a few percent of it
+
+
 def test_a_marginal_gain_stays_plain():
     from draftsmith.core.adaptive import SPECULATE_MARGIN
 

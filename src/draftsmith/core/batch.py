@@ -30,7 +30,10 @@ and the row's first draft starts its drafter ONCE over the whole context so far 
 ``start(prompt + read, last emitted, prefill + pending states)``, which every proposer reads as a start followed
 by accepts: it depends on the context only). So a row that never drafts (``auto`` choosing plain decoding
 throughout, or no drafts left to ask for) costs its drafter nothing, not even a prefill; a row that has not
-started holds at most ``START_LIMIT`` pending positions (then it starts). With a policy,
+started holds at most ``START_LIMIT`` pending positions (then it starts). Until it starts, a row holds the target
+states its drafter will read (aux ``[T, 3H]`` for EAGLE-3 and DFlash, final ``[T, H]`` for the MLP speculator),
+where an eager start would hold the drafter's own cache of those positions instead (for a one-layer EAGLE-3 head,
+2/3 of that). With a policy,
 a row that drafted in its last step is brought up to date before the choice, so that the drafter's confidence in
 its next draft (``BatchProposer.confidence``) can inform it.
 
