@@ -88,6 +88,19 @@ def test_the_choice_follows_cost_and_acceptance():
     assert sum(p.histogram[k] for p in (cheap, dear, middle) for k in range(9)) == 4
 
 
+def test_a_probe_drafts_for_one_row_a_started_one_first():
+    policy = AdaptivePolicy(flat_cost(per_token_ms=3.0, draft_ms=5.0), 8)
+    trained(policy, 0.1)
+    rows = [(None, 8, None, 200), (None, 8, None, 0), (None, 3, None, 0)]  # (estimate, cap, confidence, start)
+    for _ in range(2000):
+        choice = policy.choose(rows)
+        if choice.probe:
+            break
+        assert choice.k == 0 and choice.rows is None
+        policy.observe_step(3, 1, 0, 0, 0.013, 0.0)
+    assert choice.probe and choice.k > 0 and choice.rows == (1,)
+
+
 def test_the_batch_is_priced_with_the_requests_about_to_join():
     """Two rows running while 30 wait: drafting is chosen as for the 32-row batch they will decode in (dear to
     verify there), not as for 2 rows (free to verify)."""

@@ -43,7 +43,9 @@ are shrunk towards the engine's (``AdaptivePolicy.rates``), whose own prior for 
 i - 1 (a position never tried is assumed as good as the one before it). When zero drafts win, nothing is learnt;
 so the policy drafts once at its best positive K (a probe) when exploring is affordable: at least ``PROBE_AFTER``
 plain steps in a row, and probes cost at most ``PROBE_BUDGET`` of the plain decoding time since the last one. A
-probe's cost is its step's seconds beyond a plain step's: modelled before the first probe, then as last measured
+probe drafts for ONE row (a row whose drafter has started, else the one with the most tokens left; the others
+stay plain): the engine-wide estimate learns as much from it, and it costs one drafter start at most, not one per
+row. A probe's cost is its step's seconds beyond a plain step's: modelled before the first probe, then as last measured
 (it includes the drafter starts and catch-up accepts the probe triggers, which the model does not know). So where
 speculation does not pay, auto loses at most ~PROBE_BUDGET to exploring, at any batch size and drafter cost.
 
@@ -219,11 +221,13 @@ def expected_tokens(rates: Sequence[float], depth: int) -> float:
 
 @dataclass
 class Choice:
-    """One step's decision: ``k`` drafts per row (0: plain), its expected tokens/s, and whether it is a probe."""
+    """One step's decision: ``k`` drafts per row (0: plain), its expected tokens/s, whether it is a probe, and the
+    rows that draft (indices into the rows given to ``choose``; None: every row)."""
 
     k: int
     tokens_per_s: float
     probe: bool = False
+    rows: tuple[int, ...] | None = None
 
 
 class AdaptivePolicy:
@@ -312,14 +316,19 @@ class AdaptivePolicy:
         if k == 0 and best_cap > 0:
             self._plain_run += 1
             rate_k, k_probe = max(options[1:], key=lambda o: (o[0], -o[1]))
-            if self._plain_run >= PROBE_AFTER and self._plain_s * PROBE_BUDGET >= self.probe_cost(scored, k_probe):
-                rate, k, probe = rate_k, k_probe, True  # learn again: draft once at the best positive k
+            one = max(
+                (b for b, (_, cap, _) in enumerate(scored) if cap > 0),
+                key=lambda b: (not scored[b][2], scored[b][1]),  # a started row first, then the most tokens left
+            )
+            k_probe = min(k_probe, scored[one][1])
+            if self._plain_run >= PROBE_AFTER and self._plain_s * PROBE_BUDGET >= self.probe_cost(scored, one, k_probe):
+                rate, k, probe = rate_k, k_probe, True  # learn again: one row drafts once at the best positive k
                 self._plain_run, self._plain_s = 0, 0.0
         elif k > 0:
             self._plain_run, self._plain_s = 0, 0.0
         self._probing = probe
         self.histogram[k] += 1
-        return Choice(k, rate, probe)
+        return Choice(k, rate, probe, (one,) if probe else None)
 
     def step_seconds(self, rows: Sequence[tuple[list[float], int]], k: int, batch_size: int | None = None) -> float:
         """Modelled seconds of one step drafting ``k`` per row, ``rows`` standing for ``batch_size`` rows
@@ -332,11 +341,13 @@ class AdaptivePolicy:
         seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(b, t)
         return seconds + self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
 
-    def probe_cost(self, rows: Sequence[tuple[list[float], int]], k: int) -> float:
-        """Seconds a probe at ``k`` costs beyond a plain step: as last measured, else modelled (module docstring)."""
+    def probe_cost(self, rows: Sequence[tuple], row: int, k: int) -> float:
+        """Seconds a probe of ``k`` drafts in row ``row`` alone costs beyond a plain step: as last measured, else
+        modelled (module docstring)."""
         if self._probe_cost is not None:
             return self._probe_cost
-        return max(0.0, self.step_seconds(rows, k) - self.step_seconds(rows, 0))
+        alone = [(rates, k if b == row else 0, *rest) for b, (rates, _, *rest) in enumerate(rows)]
+        return max(0.0, self.step_seconds(alone, k) - self.step_seconds(rows, 0))
 
     def observe_step(
         self,

@@ -463,7 +463,7 @@ class BatchDecoder:
             choice = self.policy.choose(
                 [(s.estimate, cap, c, n) for s, cap, c, n in zip(rows, caps, confidence, starts)], batch_size=soon
             )
-            ks = [min(choice.k, cap) for cap in caps]
+            ks = [min(choice.k, cap) if choice.rows is None or b in choice.rows else 0 for b, cap in enumerate(caps)]
         else:
             ks = caps
         proposals = [Proposal.empty() for _ in rows]
