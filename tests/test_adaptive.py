@@ -42,7 +42,10 @@ def trained(policy: AdaptivePolicy, rate: float, steps: int = 200, k: int = 8) -
 
 
 def test_cost_model_interpolates_extrapolates_and_round_trips(tmp_path):
-    cost = CostModel([1, 4], [1, 3], [[0.010, 0.014], [0.020, 0.032]], [1, 2], [[0.002, 0.004], [0.003, 0.006]])
+    cost = CostModel(
+        [1, 4], [1, 3], [[0.010, 0.014], [0.020, 0.032]], [1, 2], [[0.002, 0.004], [0.003, 0.006]],
+        start_s_per_position=5e-5,
+    )  # fmt: skip
     assert cost.verify(1, 2) == pytest.approx(0.012)
     assert cost.verify(2, 1) == pytest.approx(0.010 + (0.020 - 0.010) / 3)
     assert cost.verify(8, 1) == pytest.approx(0.020 + 4 * (0.010 / 3))  # linear past the largest batch
@@ -50,6 +53,7 @@ def test_cost_model_interpolates_extrapolates_and_round_trips(tmp_path):
     assert cost.draft(4, 4) == pytest.approx(0.012)
     cost.save(tmp_path / "c.json")
     assert CostModel.load(tmp_path / "c.json").to_dict() == cost.to_dict()
+    assert AdaptivePolicy(CostModel.load(tmp_path / "c.json"), 2).start_s_per_position == 5e-5  # priced from the start
     (tmp_path / "bad.json").write_text(json.dumps({"batch_sizes": [1]}))
     with pytest.raises(ValueError, match="not a cost model"):
         CostModel.load(tmp_path / "bad.json")
@@ -137,7 +141,7 @@ def test_a_marginal_gain_stays_plain():
 
     policy = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=0.0, draft_ms=1.0), 1)
     for rate, want in ((0.3, 1), (0.13, 0)):  # expected gain (1 + a) / 1.1: 1.18x drafts, 1.03x stays plain
-        policy.rates = lambda est, confidence=None, rate=rate: [rate]
+        policy.rates = lambda est, confidence=None, engine=None, rate=rate: [rate]
         gain = policy.throughput([([rate], 1)], 1) / policy.throughput([([rate], 1)], 0)
         assert (gain > 1 + SPECULATE_MARGIN) == (want == 1) and gain > 1.0
         assert policy.choose([(None, 1)]).k == want
@@ -266,3 +270,33 @@ def test_auto_adapts_a_trees_depth_losslessly(tmp_path, name):
     decoder.run()
     assert [s.result.tokens for s in seqs] == plain and 0 in schedule.chosen
     assert sum(s.stats.num_drafts for s in seqs) > 0
+
+
+def test_a_heads_recorded_acceptance_is_the_cold_engines_prior(monkeypatch):
+    """An export's held-out acceptance per position (``draftsmith.json`` eval) becomes the engine's prior: the mean
+    of its own rows over tasks, made conditional; a cold engine then drafts what that record says pays, where the
+    optimistic default (``FIRST_PRIOR``) drafts at once."""
+    from types import SimpleNamespace
+
+    from draftsmith.export import metadata
+    from draftsmith.serve.costs import recorded_acceptance
+
+    record = {
+        "tasks": {
+            "a": {"eagle3": {"accepted_per_pos": [0.4, 0.2]}, "ngram": {"accepted_per_pos": [0.9, 0.9]}},
+            "b": {"eagle3@k3": {"accepted_per_pos": [0.2, 0.1, 0.05]}, "eagle3@k1": {"accepted_per_pos": [0.3]}},
+        }
+    }
+    monkeypatch.setattr(metadata, "read_metadata", lambda path: SimpleNamespace(eval=record))
+    assert recorded_acceptance("head", "eagle3") == pytest.approx([0.3, 0.15 / 0.3])  # u = [0.3, 0.15]; a = u_i/u_i-1
+    assert recorded_acceptance("head", "dflash") is None  # none of its own rows
+    monkeypatch.setattr(metadata, "read_metadata", lambda path: (_ for _ in ()).throw(FileNotFoundError(path)))
+    assert recorded_acceptance("reference-draft", "draft_model") is None  # a model name, no export
+
+    cost = flat_cost(verify_ms=10.0, per_token_ms=1.0, draft_ms=2.0)
+    rows = [(None, 8, None, 0)] * 4
+    assert AdaptivePolicy(cost, 8).choose(rows).k > 0  # FIRST_PRIOR 0.6: drafts before it knows
+    assert AdaptivePolicy(cost, 8, prior=[0.1] * 8).choose(rows).k == 0  # the head earned 0.1: plain
+    assert AdaptivePolicy(cost, 8, prior=[0.9]).choose(rows).k >= 5  # later positions inherit the last one's 0.9
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        AdaptivePolicy(cost, 8, prior=[1.5])

@@ -357,8 +357,9 @@ def test_deferred_accepts_draft_what_step_by_step_accepts_draft(served, monkeypa
 
 @pytest.mark.parametrize("name", NAMES)
 def test_auto_through_the_engine(served, name):
-    """``"num_speculative_tokens": "auto"``: the engine measures its cost model (then a second engine reads the
-    cached one), greedy equals plain, and /metrics shows the chosen k and the cost model."""
+    """``"num_speculative_tokens": "auto"``: the engine measures its cost model, a drafter start's cost included
+    (then a second engine reads the cached one), greedy equals plain, and /metrics shows the chosen k and the cost
+    model."""
     from draftsmith.serve import costs
 
     honour_opt_out(name, "auto")
@@ -373,6 +374,9 @@ def test_auto_through_the_engine(served, name):
     counts = [line for line in metrics.splitlines() if line.startswith("draftsmith:spec_decode_chosen_k_count")]
     assert counts and float(counts[0].split()[-1]) > 0
     assert 'draftsmith:cost_model_verify_seconds{batch_size="2",tokens_per_row="1"}' in metrics
+    # the profile's first drafting step started every row's drafter: the policy prices a start before any is served
+    assert engine.policy.cost.start_s_per_position > 0
+    assert "draftsmith:cost_model_start_seconds_per_position" in metrics
     measured = costs.profile_costs
     try:
         costs.profile_costs = None  # a second engine must read the cache, not measure

@@ -27,8 +27,8 @@ the batch size it will pay at (else it wins a few cheap steps at the start and l
 
 A row's drafter starts at its first draft (``core.batch``): a forward over its whole context so far, ~65 us per
 position for an EAGLE-3 head on the reference target, as much as a plain step for a 200-token prompt. A row that
-has not started is charged its start at ``start_s_per_position`` (measured on every start, 0 until the first),
-spread over the tokens it may still emit: a step drafting d for it pays E(d) / cap of its start. So a request
+has not started is charged its start at ``start_s_per_position`` (measured by the startup profile, then on every
+start), spread over the tokens it may still emit: a step drafting d for it pays E(d) / cap of its start. So a request
 with most of its tokens ahead starts its drafter for almost nothing, and one near its end does not start it to
 win one step.
 
@@ -40,7 +40,11 @@ Acceptance estimates (``AcceptanceEstimate``) are exponentially decayed counts p
 drafted k' tokens along its path and accepted n counts positions 1..n as accepted and position n + 1 (when
 n < k') as rejected (vLLM's per-position acceptance; a tree counts its accepted path's depth). A request's rates
 are shrunk towards the engine's (``AdaptivePolicy.rates``), whose own prior for position i is its estimate at
-i - 1 (a position never tried is assumed as good as the one before it). When zero drafts win, nothing is learnt;
+i - 1 (a position never tried is assumed as good as the one before it), or, for a trained head whose export
+records its held-out acceptance per position (``draftsmith.json`` ``eval``), that acceptance, the mean over its
+tasks: a cold engine then drafts as much as the head earned on held-out data, not as an optimistic guess (an
+optimistic prior at concurrency 8 started every row's drafter before the first verify step could say that drafting
+lost there). When zero drafts win, nothing is learnt;
 so the policy drafts once at its best positive K (a probe) when exploring is affordable: at least ``PROBE_AFTER``
 plain steps in a row, and probes cost at most ``PROBE_BUDGET`` of the plain decoding time since the last one. A
 probe drafts for ONE row (a row whose drafter has started, else the one with the most tokens left; the others
@@ -110,6 +114,7 @@ class CostModel:
             in each of B rows.
         context_len: the context each row had while measured (tokens). meta: what was measured (target, drafter,
             device, threads, torch CPU capability): the cache key's fields.
+        start_s_per_position: seconds of a drafter start per context position it reads (0: not measured).
 
     Between measured points costs are interpolated linearly (in B, then T or K), past them extrapolated linearly.
     """
@@ -121,16 +126,21 @@ class CostModel:
     draft_s: list[list[float]]
     context_len: int = 0
     meta: dict = field(default_factory=dict)
+    start_s_per_position: float = 0.0
 
     def __post_init__(self):
         if not self.batch_sizes or not self.verify_tokens or not self.draft_ks:
             raise ValueError("a cost model needs at least one batch size, token count and k")
         if len(self.verify_s) != len(self.batch_sizes) or len(self.draft_s) != len(self.batch_sizes):
             raise ValueError("a cost model needs one row of verify and draft costs per batch size")
+        self._memo: dict[tuple, float] = {}  # (table, b, x) -> seconds: every step prices the same few points
 
     def _grid(self, table: list[list[float]], xs: list[int], b: int, x: float) -> float:
-        per_b = [_interp(xs, row, x) for row in table]
-        return _interp(self.batch_sizes, per_b, b)
+        key = (id(table), b, x)
+        if key not in self._memo:
+            per_b = [_interp(xs, row, x) for row in table]
+            self._memo[key] = _interp(self.batch_sizes, per_b, b)
+        return self._memo[key]
 
     def verify(self, b: int, t: int) -> float:
         """Seconds of one target forward over ``b`` rows of ``t`` new tokens each."""
@@ -177,6 +187,7 @@ class CostModel:
             ver = " ".join(f"{t}:{1000 * s:.1f}" for t, s in zip(self.verify_tokens, v))
             dra = " ".join(f"{k}:{1000 * s:.1f}" for k, s in zip(self.draft_ks, d))
             lines.append(f"B={b}: verify ms by tokens/row {ver} | draft ms by k {dra}")
+        lines.append(f"drafter start: {1e6 * self.start_s_per_position:.1f} us per context position")
         return "\n".join(lines)
 
 
@@ -201,11 +212,11 @@ class AcceptanceEstimate:
 
     def rates(self, prior: Sequence[float] | None, strength: float) -> list[float]:
         """Posterior-mean conditional acceptance per position: (accepted + strength * prior) / (tried + strength);
-        ``prior`` None: each position's prior is the rate found for the position before it (``FIRST_PRIOR`` for
-        the first)."""
+        past the end of ``prior`` (None: from the first position) a position's prior is the rate found for the
+        position before it (``FIRST_PRIOR`` for the first)."""
         out: list[float] = []
         for i, (a, t) in enumerate(zip(self.accepted, self.tried)):
-            p = prior[i] if prior is not None else (out[-1] if out else FIRST_PRIOR)
+            p = prior[i] if prior is not None and i < len(prior) else (out[-1] if out else FIRST_PRIOR)
             out.append((a + strength * p) / (t + strength))
         return out
 
@@ -237,6 +248,12 @@ class AdaptivePolicy:
         cost: the measured ``CostModel``. k_max: most drafts per row per step (a tree: its depth).
         topk, num_nodes: for a tree, SGLang's ``topk`` and the node budget (``num_draft_tokens - 1``): a tree of
             depth d reads min(d * topk, num_nodes) tokens; None for chains.
+        prior: the engine's prior conditional acceptance per position before any step (a head's recorded held-out
+            acceptance: ``serve.costs.recorded_acceptance``); None: ``FIRST_PRIOR``, each later position as good as
+            the one before it.
+
+    Raises:
+        ValueError: k_max < 1, or a prior rate outside [0, 1].
 
     Attributes:
         engine: the engine-wide ``AcceptanceEstimate``. histogram: steps per chosen k (``[k_max + 1]``).
@@ -244,10 +261,21 @@ class AdaptivePolicy:
         verify_scales, draft_scales: the same per tokens-per-row T, per k.
     """
 
-    def __init__(self, cost: CostModel, k_max: int, *, topk: int | None = None, num_nodes: int | None = None):
+    def __init__(
+        self,
+        cost: CostModel,
+        k_max: int,
+        *,
+        topk: int | None = None,
+        num_nodes: int | None = None,
+        prior: Sequence[float] | None = None,
+    ):
         if k_max < 1:
             raise ValueError(f"adaptive speculation needs k_max >= 1, got {k_max}")
+        if prior is not None and not all(0.0 <= a <= 1.0 for a in prior):
+            raise ValueError(f"a prior acceptance is a rate per position in [0, 1], got {list(prior)}")
         self.cost, self.k_max, self.topk, self.num_nodes = cost, k_max, topk, num_nodes
+        self.prior = list(prior) if prior else None
         self.engine = AcceptanceEstimate(k_max, ENGINE_DECAY)
         self.histogram = [0] * (k_max + 1)
         self._plain_run = 0
@@ -258,16 +286,19 @@ class AdaptivePolicy:
         self.verify_scales: dict[int, float] = {}
         self.draft_scales: dict[int, float] = {}
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
-        self.start_s_per_position = 0.0  #: measured seconds of a drafter start per context position read
+        self.start_s_per_position = cost.start_s_per_position  #: seconds of a drafter start per context position
 
     def new_request(self) -> AcceptanceEstimate:
         """A fresh estimate for one request (its rates start at the engine's)."""
         return AcceptanceEstimate(self.k_max, REQUEST_DECAY)
 
-    def rates(self, request: AcceptanceEstimate | None, confidence: float | None = None) -> list[float]:
+    def rates(
+        self, request: AcceptanceEstimate | None, confidence: float | None = None, engine: list[float] | None = None
+    ) -> list[float]:
         """A request's conditional acceptance per position, shrunk towards the engine's; with the drafter's
-        ``confidence`` in its next draft, position 1 is its confidence bin's rate (module docstring)."""
-        engine = self.engine.rates(None, ENGINE_PRIOR)
+        ``confidence`` in its next draft, position 1 is its confidence bin's rate (module docstring). ``engine``:
+        the engine's rates when the caller has them (one computation for a batch's rows)."""
+        engine = engine if engine is not None else self.engine.rates(self.prior, ENGINE_PRIOR)
         rates = engine if request is None else request.rates(engine, REQUEST_PRIOR)
         if confidence is not None:
             b = _bin(confidence)
@@ -285,15 +316,24 @@ class AdaptivePolicy:
         """Expected emitted tokens per second of one step drafting ``k`` per row; ``rows``: (rates, cap[, context
         positions its drafter must read to start, 0 when started]) each, standing for ``batch_size`` rows (default:
         themselves; module docstring)."""
-        tokens, starts = 0.0, 0.0
-        for rates, cap, *start in rows:
-            e = expected_tokens(rates, min(k, cap))
-            tokens += e
-            if start and start[0] and min(k, cap) > 0:  # its start, spread over the tokens it may still emit
-                starts += start[0] * self.start_s_per_position * min(1.0, e / max(cap, 1))
-        scale = max(batch_size or len(rows), len(rows)) / max(len(rows), 1)
-        seconds = self.step_seconds(rows, k, batch_size) + starts * scale
-        return tokens * scale / max(seconds, 1e-9)
+        return self._options(_Rows(rows), batch_size, [k])[0]
+
+    def _options(self, rows: "_Rows", batch_size: int | None, ks: Sequence[int]) -> list[float]:
+        """``throughput`` at each of ``ks`` for the same rows: O(rows x len(ks)) (what ``choose`` prices)."""
+        n = len(rows.caps)
+        scale = max(batch_size or n, n) / max(n, 1)
+        out = []
+        for k in ks:
+            tokens, starts = 0.0, 0.0
+            for prefix, cap, start in zip(rows.prefixes, rows.caps, rows.starts):
+                d = k if k < cap else cap
+                e = prefix[d]
+                tokens += e
+                if start and d > 0:  # its start, spread over the tokens it may still emit
+                    starts += start * self.start_s_per_position * min(1.0, e / max(cap, 1))
+            seconds = self._seconds(rows, k, batch_size) + starts * scale
+            out.append(tokens * scale / max(seconds, 1e-9))
+        return out
 
     def choose(self, rows: Sequence[tuple], batch_size: int | None = None) -> Choice:
         """This step's k for ``rows``, each (its estimate, the most it may draft[, the drafter's confidence in its
@@ -301,14 +341,16 @@ class AdaptivePolicy:
         default: the rows given; module docstring); counted in ``histogram``."""
         if not rows:
             return Choice(0, 0.0)
+        engine = self.engine.rates(self.prior, ENGINE_PRIOR)
         scored = []
         for row in rows:
             est, cap, confidence, start = (*row, None, 0)[:4]
             if est is not None:
                 est.confidence = confidence
-            scored.append((self.rates(est, confidence), max(0, min(cap, self.k_max)), start))
-        best_cap = max(cap for _, cap, _ in scored)
-        options = [(self.throughput(scored, k, batch_size), k) for k in range(best_cap + 1)]
+            scored.append((self.rates(est, confidence, engine), max(0, min(cap, self.k_max)), start))
+        priced = _Rows(scored)
+        best_cap = max(priced.caps)
+        options = list(zip(self._options(priced, batch_size, range(best_cap + 1)), range(best_cap + 1)))
         rate, k = max(options, key=lambda o: (o[0], -o[1]))
         if k > 0 and rate < (1 + SPECULATE_MARGIN) * options[0][0]:
             rate, k = options[0]
@@ -317,10 +359,10 @@ class AdaptivePolicy:
             self._plain_run += 1
             rate_k, k_probe = max(options[1:], key=lambda o: (o[0], -o[1]))
             one = max(
-                (b for b, (_, cap, _) in enumerate(scored) if cap > 0),
-                key=lambda b: (not scored[b][2], scored[b][1]),  # a started row first, then the most tokens left
+                (b for b, cap in enumerate(priced.caps) if cap > 0),
+                key=lambda b: (not priced.starts[b], priced.caps[b]),  # a started row first, then the most tokens left
             )
-            k_probe = min(k_probe, scored[one][1])
+            k_probe = min(k_probe, priced.caps[one])
             if self._plain_run >= PROBE_AFTER and self._plain_s * PROBE_BUDGET >= self.probe_cost(scored, one, k_probe):
                 rate, k, probe = rate_k, k_probe, True  # learn again: one row drafts once at the best positive k
                 self._plain_run, self._plain_s = 0, 0.0
@@ -333,10 +375,13 @@ class AdaptivePolicy:
     def step_seconds(self, rows: Sequence[tuple[list[float], int]], k: int, batch_size: int | None = None) -> float:
         """Modelled seconds of one step drafting ``k`` per row, ``rows`` standing for ``batch_size`` rows
         (``throughput``'s denominator)."""
-        depths = [min(k, row[1]) for row in rows]
-        longest = max(depths, default=0)
-        b = max(batch_size or len(rows), len(rows))
-        drafting = round(sum(1 for d in depths if d > 0) * b / max(len(rows), 1))
+        return self._seconds(_Rows(rows, prefixes=False), k, batch_size)
+
+    def _seconds(self, rows: "_Rows", k: int, batch_size: int | None) -> float:
+        n = len(rows.caps)
+        longest = min(k, max(rows.caps, default=0))
+        b = max(batch_size or n, n)
+        drafting = round(rows.drafting * b / max(n, 1)) if longest > 0 else 0
         t = 1 + self.reads(longest)
         seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(b, t)
         return seconds + self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
@@ -367,7 +412,7 @@ class AdaptivePolicy:
         plain step's seconds count towards the probe budget, a probe's set its cost."""
         if start_positions > 0:
             per_position = start_s / start_positions
-            w = START_WEIGHT if self.start_s_per_position > 0 else 1.0
+            w = START_WEIGHT if self.start_s_per_position > 0 else 1.0  # the first measurement, when none was profiled
             self.start_s_per_position = (1 - w) * self.start_s_per_position + w * per_position
         if k == 0:
             self._plain_s += verify_s + draft_s + start_s
@@ -405,6 +450,27 @@ class AdaptivePolicy:
                 c.tried[b] = c.decay * c.tried[b] + 1.0
                 c.accepted[b] = c.decay * c.accepted[b] + float(num_accepted > 0)
                 request.confidence = None
+
+
+class _Rows:
+    """A batch's rows as priced: cap (most drafts) and start positions per row, with each row's E(d) for
+    d = 0..cap (``prefixes``: one pass over its rates, so pricing every k is O(rows x k), not O(rows x k^2))."""
+
+    def __init__(self, rows: Sequence[tuple], prefixes: bool = True):
+        self.caps = [max(0, row[1]) for row in rows]
+        self.starts = [row[2] if len(row) > 2 else 0 for row in rows]
+        self.drafting = sum(1 for cap in self.caps if cap > 0)
+        self.prefixes = [_prefix(row[0], cap) for row, cap in zip(rows, self.caps)] if prefixes else []
+
+
+def _prefix(rates: Sequence[float], cap: int) -> list[float]:
+    """[E(0), E(1), .., E(cap)] (``expected_tokens`` at each depth; a depth past the rates adds nothing)."""
+    out, total, reach = [1.0], 1.0, 1.0
+    for i in range(cap):
+        reach *= rates[i] if i < len(rates) else 0.0
+        total += reach
+        out.append(total)
+    return out
 
 
 def _bin(confidence: float) -> int:

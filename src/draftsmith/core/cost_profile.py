@@ -8,6 +8,8 @@ Both halves run the decode loop itself (``core.batch.BatchDecoder``), so they ti
     target forward over B x T tokens, verification and the cache commit) is the cost of (B, T);
   - draft: the same rows decode with the real proposer at K = 1..k_max drafts per row; ``VerifyStep.draft_s``
     (propose, and the accept of the previous step's positions) is the cost of (B, K).
+The first drafting step starts every row's drafter over its context (``core.batch``'s lazy start): its seconds per
+context position, the median over batch sizes, are the model's ``start_s_per_position``.
 Each cell is the fastest of ``repeats`` steps after one warm-up step (a busy neighbour only adds time); then, per
 batch size, an affine fit (least squares, slope >= 0: ``affine_fit``) over T >= 2 and over K replaces the cells, so
 one noisy step does not make 4 drafts look cheaper than 3 (the raw times stay in ``meta``). Costs are nearly affine
@@ -22,6 +24,7 @@ policy rescales them by what serving measures (``core.adaptive``).
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Callable, Sequence
 
@@ -92,9 +95,10 @@ def _measure(
     context_len: int,
     repeats: int,
     tree: TreeShape | None,
-) -> list[float]:
-    """Median of ``read(step)`` over ``repeats`` steps (after a warm-up) at each k of ``ks``, for ``batch_size``
-    rows of random context decoding together."""
+) -> tuple[list[float], float]:
+    """The fastest ``read(step)`` of ``repeats`` steps (after a warm-up) at each k of ``ks``, for ``batch_size``
+    rows of random context decoding together; and the seconds per context position of the drafter starts the
+    first drafting step made (every row starts there: ``core.batch``'s lazy start), 0 when none."""
     schedule = _Schedule()
     k_max = max(ks)
     decoder = BatchDecoder(
@@ -114,18 +118,20 @@ def _measure(
         prompt = torch.randint(target.vocab_size, (context_len,), generator=generator)
         decoder.add(BatchSequence(prompt, cfg, on_step=seen.append))
     decoder.step()  # prefill every row (and the first verify step at k = 0)
-    out = []
+    out, start = [], 0.0
     for k in ks:
         schedule.k = k
         samples = []
         for i in range(repeats + 1):
             seen.clear()
             decoder.step()
+            if decoder._start_positions and not start:
+                start = decoder._start_s / decoder._start_positions
             if i and seen:
                 samples.append(read(seen[0]))  # a step's times are shared by its rows
         out.append(min(samples) if samples else 0.0)
     decoder.abort(RuntimeError("profile done"))
-    return out
+    return out, start
 
 
 @torch.inference_mode()
@@ -159,16 +165,19 @@ def profile_costs(
     reads = [min(k * tree.topk, tree.num_nodes) for k in ks] if tree is not None else ks
     verify_tokens = sorted({1, *(1 + r for r in reads)})
     t0 = time.perf_counter()
-    raw_v, raw_d = [], []
+    raw_v, raw_d, starts = [], [], []
     for b in sizes:
         raw_v.append(
             _measure(
                 target, _RandomDrafts(target.vocab_size), b, [t - 1 for t in verify_tokens],
                 lambda s: s.verify_s, context_len, repeats, None,
-            )
+            )[0]
         )  # fmt: skip
-        raw_d.append(_measure(target, make_proposer(), b, ks, lambda s: s.draft_s, context_len, repeats, tree))
+        drafts, start = _measure(target, make_proposer(), b, ks, lambda s: s.draft_s, context_len, repeats, tree)
+        raw_d.append(drafts)
+        starts.append(start)
     info = dict(meta or {})
+    info["measured_start_s_per_position"] = starts
     info["profile_seconds"] = round(time.perf_counter() - t0, 2)
     info["measured_verify_s"], info["measured_draft_s"] = raw_v, raw_d
     verify_s = [row[:1] + [max(row[0], v) for v in affine_fit(verify_tokens[1:], row[1:])] for row in raw_v]
@@ -176,4 +185,5 @@ def profile_costs(
     for table in (verify_s, draft_s):  # never cheaper with more rows
         for b in range(1, len(table)):
             table[b] = [max(a, c) for a, c in zip(table[b - 1], table[b])]
-    return CostModel(sizes, verify_tokens, verify_s, ks, draft_s, context_len, info)
+    start_s = statistics.median(starts)  # a start reads one row: its cost per position does not depend on B
+    return CostModel(sizes, verify_tokens, verify_s, ks, draft_s, context_len, info, start_s)

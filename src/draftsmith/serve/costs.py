@@ -23,7 +23,7 @@ from draftsmith.core.target import TargetModel
 
 logger = logging.getLogger(__name__)
 PROFILE_MAX_BATCH = 32  #: largest batch the profile measures; larger ones are extrapolated linearly
-COSTS_VERSION = 3  #: bump when the profile measures something else
+COSTS_VERSION = 4  #: bump when the profile measures something else
 
 
 def cache_dir() -> Path:
@@ -109,11 +109,50 @@ def engine_cost_model(target: TargetModel, drafter, spec, k_max: int, max_num_se
     return cost
 
 
+def recorded_acceptance(head_dir, head_type: str) -> list[float] | None:
+    """A head's held-out conditional acceptance per position, as its export records it (``draftsmith.json``
+    ``eval.tasks.TASK.ROW.accepted_per_pos``, the fraction of drafts whose position i was accepted: vLLM's
+    ``num_accepted_tokens_per_pos`` / ``num_drafts``), for the rows of the head's own method (``head_type``, or
+    ``head_type@kK``) with the most positions; the mean over tasks, then a_i = u_i / u_(i-1). None when the
+    directory is no export, records no eval, or records none of its own rows (n-gram and draft models, heads never
+    evaluated)."""
+    from draftsmith.export.metadata import read_metadata
+
+    try:
+        tasks = (read_metadata(head_dir).eval or {}).get("tasks") or {}
+    except (FileNotFoundError, ValueError, OSError, TypeError):
+        return None
+    per_task = []
+    for rows in tasks.values():
+        own = [
+            r.get("accepted_per_pos") or []
+            for label, r in (rows or {}).items()
+            if isinstance(r, dict) and (label == head_type or label.startswith(f"{head_type}@k"))
+        ]
+        own = [u for u in own if u]
+        if own:
+            per_task.append(max(own, key=len))
+    if not per_task:
+        return None
+    depth = min(len(u) for u in per_task)
+    mean = [sum(u[i] for u in per_task) / len(per_task) for i in range(depth)]
+    rates, before = [], 1.0
+    for u in mean:
+        rates.append(min(1.0, max(0.0, u / before)) if before > 0 else 0.0)
+        before = u
+    return rates
+
+
 def adaptive_policy(target: TargetModel, drafter, spec, max_num_seqs: int) -> AdaptivePolicy:
     """The ``AdaptivePolicy`` for an engine serving ``spec`` (``adaptive``): k_max = the config's (``AUTO_MAX_K`` or a
-    tree's depth) lowered to the drafter's own limit (``LoadedDrafter.max_k``)."""
+    tree's depth) lowered to the drafter's own limit (``LoadedDrafter.max_k``); the engine's prior acceptance is the
+    head's recorded held-out acceptance where its export has one (``recorded_acceptance``; a tree's is its chain's
+    per depth only when the record is a chain's: the prior is then left to the first steps)."""
     k_max = min(spec.depth, drafter.max_k or spec.depth)
     cost = engine_cost_model(target, drafter, spec, k_max, max_num_seqs)
+    prior = recorded_acceptance(spec.model, spec.method) if spec.model and spec.tree is None else None
+    if prior:
+        logger.info("adaptive speculation: prior acceptance per position from %s: %s", spec.model, prior)
     if spec.tree is None:
-        return AdaptivePolicy(cost, k_max)
+        return AdaptivePolicy(cost, k_max, prior=prior)
     return AdaptivePolicy(cost, k_max, topk=spec.tree.topk, num_nodes=spec.tree.num_nodes)

@@ -216,6 +216,11 @@ class EngineMetrics:
                 verify.labels(batch_size=str(b), tokens_per_row=str(t)).set(s)
             for k, s in zip(cost.draft_ks, row_d):
                 draft.labels(batch_size=str(b), num_speculative_tokens=str(k)).set(s)
+        Gauge(
+            PREFIX + "cost_model_start_seconds_per_position",
+            "Measured seconds of a drafter start (a row's first draft) per context position it reads.",
+            registry=r,
+        ).set(cost.start_s_per_position)
         self.chosen_k = Histogram(
             PREFIX + "spec_decode_chosen_k",
             "k chosen by adaptive speculation per request per verify step (0: a plain step).",
