@@ -49,9 +49,12 @@ so the policy drafts once at its best positive K (a probe) when exploring is aff
 plain steps in a row, and probes cost at most ``PROBE_BUDGET`` of the plain decoding time since the last one. A
 probe drafts for ONE row (a row whose drafter has started, else the one with the most tokens left; the others
 stay plain): the engine-wide estimate learns as much from it, and it costs one drafter start at most, not one per
-row. A probe's cost is its step's seconds beyond a plain step's: modelled before the first probe, then as last measured
-(it includes the drafter starts and catch-up accepts the probe triggers, which the model does not know). So where
-speculation does not pay, auto loses at most ~PROBE_BUDGET to exploring, at any batch size and drafter cost.
+row. A probe's cost is its step's verify and draft seconds beyond a plain step's, modelled before the first probe and
+then as last measured (that includes the catch-up accept a probe triggers, which the model does not know), plus the
+probed row's drafter start when it has not started (its positions x ``start_s_per_position``). So where
+speculation does not pay, auto loses at most ~PROBE_BUDGET to exploring, at any batch size and drafter cost. (The
+budget is 1%: with the decoder's own bookkeeping, ~1% of a plain step at B = 8 on the reference target, a batch
+that never drafts stays within 2-3% of plain decoding, inside the "never slower than plain" bar's 3%.)
 
 The drafter's own confidence, where it has one before drafting (``BatchProposer.confidence``: an EAGLE-3 head
 holds its next-token logits after each accept), refines position 1: the engine keeps decayed acceptance counts of
@@ -86,7 +89,7 @@ ENGINE_PRIOR = 2.0  #: pseudo-observations of the prior in the engine's estimate
 FIRST_PRIOR = 0.6  #: the engine's prior acceptance at position 1 before any step (optimistic: it gets tried)
 SPECULATE_MARGIN = 0.05  #: drafting is chosen only when its expected tokens/s beats plain's by this fraction
 PROBE_AFTER = 8  #: fewest plain steps in a row before a probe
-PROBE_BUDGET = 0.02  #: probes cost at most this fraction of the plain decoding time since the last probe
+PROBE_BUDGET = 0.01  #: probes cost at most this fraction of the plain decoding time since the last probe
 CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
 SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
 SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
@@ -387,12 +390,15 @@ class AdaptivePolicy:
         return seconds + self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
 
     def probe_cost(self, rows: Sequence[tuple], row: int, k: int) -> float:
-        """Seconds a probe of ``k`` drafts in row ``row`` alone costs beyond a plain step: as last measured, else
-        modelled (module docstring)."""
+        """Seconds a probe of ``k`` drafts in row ``row`` alone costs beyond a plain step: its verify and draft
+        seconds as last measured (else modelled), plus the row's drafter start when it has not started (module
+        docstring)."""
+        start = rows[row][2] if len(rows[row]) > 2 else 0
+        start_s = start * self.start_s_per_position
         if self._probe_cost is not None:
-            return self._probe_cost
+            return self._probe_cost + start_s
         alone = [(rates, k if b == row else 0, *rest) for b, (rates, _, *rest) in enumerate(rows)]
-        return max(0.0, self.step_seconds(alone, k) - self.step_seconds(rows, 0))
+        return max(0.0, self.step_seconds(alone, k) - self.step_seconds(rows, 0)) + start_s
 
     def observe_step(
         self,
@@ -418,7 +424,7 @@ class AdaptivePolicy:
             self._plain_s += verify_s + draft_s + start_s
         elif self._probing:
             plain = self.verify_scales.get(1, self.verify_scale) * self.cost.verify(batch_size, 1)
-            self._probe_cost = max(0.0, verify_s + draft_s + start_s - plain)
+            self._probe_cost = max(0.0, verify_s + draft_s - plain)  # its start: priced per position
         self._probing = False
 
         def update(scale: float, measured: float, modelled: float) -> float:
