@@ -1,14 +1,15 @@
 """Adaptive speculation against every fixed k: the grid of held-out tasks x drafters x concurrency.
 
-    python bench/adaptive_grid.py --out runs/adaptive-grid                       # the reference target, ~40 min
+    python bench/adaptive_grid.py --rounds 2 5 4 --out runs/adaptive-grid        # the reference target, ~50 min
     python bench/adaptive_grid.py --tasks code-edit --concurrency 1 --num-prompts 4 --out /tmp/grid   # a smoke run
 
 For each task, one ``draftsmith bench`` run (``evaluation.bench.run_bench``) serves plain decoding and every
 drafter at each fixed k (default 1 3 5 8) and at ``auto``, at every concurrency (default 1 8 32), over that task's
 first ``--num-prompts`` prompts, in ``--rounds`` rounds (default 1: one run per cell; the server order rotates per
-round); speedup = the median over rounds of the method's output tokens/s ÷ plain's at the same concurrency in the
-same round. A k a drafter cannot draft (8 past an MLP speculator's n_predict 5, or past a
-DFlash block) is left out of its cells (``skipped``).
+round; one value per concurrency level repeats the short, noisy batches of high concurrency more often); speedup =
+the median over rounds of the method's output tokens/s ÷ plain's at the same concurrency in the same round. A k a
+drafter cannot draft (8 past an MLP speculator's n_predict 5, or past a DFlash block) is left out of its cells
+(``skipped``).
 
 Printed and written to ``--out`` (``grid.json``, ``grid.md``, ``grid.png``, and each task's bench report under
 ``TASK/``):
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--concurrency", nargs="+", type=int, default=[1, 8, 32])
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--rounds", nargs="+", type=int, default=[1], help="one value, or one per --concurrency level")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/adaptive-grid")
     return p.parse_args(argv)
@@ -204,8 +205,8 @@ def main(argv=None) -> int:
     cpu = torch.backends.cpu.get_cpu_capability()
     header = (
         f"reference grid: tasks {', '.join(tasks)}; {args.num_prompts} prompts x {args.max_tokens} tokens per task; "
-        f"concurrency {args.concurrency}; {args.rounds} round(s) of one run per cell, speedup = median over rounds "
-        f"of the ratio to plain in the same round; torch threads {args.threads}; CPU capability {cpu}"
+        f"concurrency {args.concurrency}; rounds {args.rounds} (per level) of one run per cell, speedup = median "
+        f"over rounds of the ratio to plain in the same round; torch threads {args.threads}; CPU capability {cpu}"
     )
     print(header + "\n\n" + text)
     (out / "grid.md").write_text(header + "\n\n" + text + "\n")

@@ -273,7 +273,7 @@ def test_tiny_end_to_end(tiny_llama, tmp_path):
         prompt_lookup_min=1,
         max_tokens=6,
         concurrency=(2, 4),
-        rounds=2,
+        rounds=(2, 3),  # one per level: 2 rounds at c = 2, 3 at c = 4
         threads=1,
         hf_peer=True,
         draft_model="",
@@ -286,7 +286,8 @@ def test_tiny_end_to_end(tiny_llama, tmp_path):
     assert report["config"]["requests_per_batch"] == [3, 4]
     for name in ("none", "ngram"):
         assert [r["concurrency"] for r in methods[name]["per_concurrency"]] == [2, 4]
-        assert [r["requests"] for r in methods[name]["per_concurrency"]] == [6, 8]  # 2 rounds x max(3, c)
+        assert [r["requests"] for r in methods[name]["per_concurrency"]] == [6, 12]  # rounds x max(3, c)
+        assert [r["rounds"] for r in methods[name]["per_concurrency"]] == [2, 3]
         assert methods[name]["scaling"] is not None and (
             methods[name]["scaling_from"],
             methods[name]["scaling_to"],
@@ -339,3 +340,15 @@ def test_reference_target_end_to_end(tmp_path):
             assert row["output_tokens"] > 0 and row["speedup"] is not None
     assert data["methods"]["ngram"]["per_concurrency"][1]["baseline_mismatches"] == 0
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rounds_are_one_value_or_one_per_level():
+    from draftsmith.evaluation.bench_config import rounds_at
+
+    cfg = BenchConfig(concurrency=(32, 1, 8), rounds=[2, 5, 4])  # per level, ascending: 1, 8, 32
+    assert [rounds_at(cfg, c) for c in (1, 8, 32)] == [2, 5, 4]
+    assert BenchConfig(rounds=[3]).rounds == 3 and rounds_at(BenchConfig(concurrency=(1, 4), rounds=3), 4) == 3
+    with pytest.raises(ValueError, match="one per concurrency level"):
+        BenchConfig(concurrency=(1, 8, 32), rounds=[2, 4])
+    with pytest.raises(ValueError, match="integers >= 1"):
+        BenchConfig(rounds=0)

@@ -76,6 +76,7 @@ from draftsmith.evaluation.bench_config import (
     BenchConfig,
     bench_methods,
     fixed_k,
+    rounds_at,
     speculative_config,
 )
 from draftsmith.models import load_causal_lm
@@ -676,9 +677,9 @@ def hf_peer(
     forwards = [0]
     hook = model.register_forward_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     results: dict[str, list[BatchResult]] = {name: [] for name in variants}
-    progress = tqdm(total=cfg.rounds * len(variants), desc="bench HF peer", unit="batch")
+    progress = tqdm(total=rounds_at(cfg, 1) * len(variants), desc="bench HF peer", unit="batch")
     try:
-        for _ in range(cfg.rounds):
+        for _ in range(rounds_at(cfg, 1)):
             for name, kwargs in variants.items():
                 records, counted = [], forwards[0]
                 start = time.perf_counter()
@@ -721,7 +722,8 @@ async def _measure(
     servers: dict[str, tuple[str, str]], prompts, cfg: BenchConfig
 ) -> tuple[dict[str, dict[int, list[BatchResult]]], BatchResult | None]:
     """Warm-up, the c = 1 reference batch of the baseline when 1 is not a level, then ``cfg.rounds`` rounds:
-    each round, for each concurrency (ascending), one batch per server (the order rotates per round).
+    each round, for each concurrency (ascending) that has rounds left (``rounds_at``), one batch per server (the
+    order rotates per round).
 
     ``servers``: ``{label: (url, model name)}``. Returns ``({label: {c: [BatchResult per round]}}, the extra
     reference batch or None)``."""
@@ -734,10 +736,11 @@ async def _measure(
     if 1 not in cfg.concurrency and BASELINE in servers:
         alone = await run_batch(*servers[BASELINE], prompts, cfg.max_tokens, 1)
     results: dict[str, dict[int, list[BatchResult]]] = {name: {c: [] for c in cfg.concurrency} for name in names}
-    with tqdm(total=cfg.rounds * len(cfg.concurrency) * len(names), desc="bench servers", unit="batch") as progress:
-        for round_index in range(cfg.rounds):
+    total = sum(rounds_at(cfg, c) for c in cfg.concurrency) * len(names)
+    with tqdm(total=total, desc="bench servers", unit="batch") as progress:
+        for round_index in range(max(rounds_at(cfg, c) for c in cfg.concurrency)):
             order = names[round_index % len(names) :] + names[: round_index % len(names)]
-            for c in cfg.concurrency:
+            for c in [c for c in cfg.concurrency if round_index < rounds_at(cfg, c)]:
                 requests = requests_for(prompts, c)
                 for name in order:
                     url, model = servers[name]

@@ -44,7 +44,9 @@ class BenchConfig:
         max_tokens: completion length asked per request.
         concurrency: the levels of requests in flight per server, sorted and unique, each >= 1 (an int is taken
             as one level); at level c a batch sends ``max(num_prompts, c)`` requests (prompts cycled).
-        rounds: repetitions (interleaved across methods); throughput is the median over rounds.
+        rounds: repetitions (interleaved across methods); throughput is the median over rounds. One value for
+            every level, or one per level in ascending order of concurrency (a short batch at high concurrency
+            is noisier than a long one at c = 1 and costs less to repeat: ``rounds_at``).
         threads: ``torch.set_num_threads`` for the whole run. dtype, device: of the in-process target.
         max_model_len: the in-process engines' limit (memory plan). hf_peer: also run HF assisted generation.
         out: directory for report.json, table.md, bench.png.
@@ -63,7 +65,7 @@ class BenchConfig:
     tasks: list[str] = field(default_factory=lambda: list(TASK_NAMES))
     max_tokens: int = 64
     concurrency: tuple[int, ...] = (1,)
-    rounds: int = 3
+    rounds: "int | tuple[int, ...]" = 3
     threads: int = 2
     dtype: str = "float32"
     device: str = "cpu"
@@ -77,8 +79,24 @@ class BenchConfig:
         if not values or any(v != "auto" and (isinstance(v, bool) or not isinstance(v, int) or v < 1) for v in values):
             raise ValueError(f"k {self.k!r}: pass integers >= 1 or 'auto', e.g. --k 1 3 5 8 auto")
         self.k = values[0] if len(values) == 1 else list(dict.fromkeys(values))
+        rounds = [self.rounds] if isinstance(self.rounds, int) else list(self.rounds)
+        if not rounds or any(isinstance(r, bool) or not isinstance(r, int) or r < 1 for r in rounds):
+            raise ValueError(f"rounds {self.rounds!r}: pass integers >= 1, e.g. --rounds 3")
+        if len(rounds) not in (1, len(self.concurrency)):
+            raise ValueError(
+                f"rounds {rounds}: give one value, or one per concurrency level ({len(self.concurrency)}: "
+                f"{list(self.concurrency)}, ascending)"
+            )
+        self.rounds = rounds[0] if len(rounds) == 1 else tuple(rounds)
         if self.tree is not None:
             self.tree = str(TreeShape.parse(self.tree))  # refuses a bad shape now
+
+
+def rounds_at(cfg: BenchConfig, concurrency: int) -> int:
+    """Rounds measured at ``concurrency`` (one of ``cfg.concurrency``; another level gets the most rounds)."""
+    if isinstance(cfg.rounds, int):
+        return cfg.rounds
+    return dict(zip(cfg.concurrency, cfg.rounds)).get(concurrency, max(cfg.rounds))
 
 
 def swept_ks(cfg: BenchConfig) -> list:
@@ -260,7 +278,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="requests in flight per server, one or more levels (e.g. 1 4 16 32); each level sends "
         "max(--num-prompts, c) requests, cycling the prompts",
     )
-    p.add_argument("--rounds", type=arg.positive_int, default=d.rounds)
+    p.add_argument(
+        "--rounds",
+        nargs="+",
+        type=arg.positive_int,
+        default=[d.rounds],
+        help="repetitions per concurrency level: one value, or one per level in ascending order (e.g. 2 5 4 "
+        "with --concurrency 1 8 32)",
+    )
     p.add_argument("--threads", type=arg.positive_int, default=d.threads)
     p.add_argument("--dtype", type=arg.dtype, default=d.dtype, help=", ".join(arg.DTYPE_NAMES))
     p.add_argument("--device", default=d.device)
