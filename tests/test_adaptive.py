@@ -304,3 +304,19 @@ def test_a_heads_recorded_acceptance_is_the_cold_engines_prior(monkeypatch):
     assert AdaptivePolicy(cost, 8, prior=[0.9]).choose(rows).k >= 5  # later positions inherit the last one's 0.9
     with pytest.raises(ValueError, match="in \\[0, 1\\]"):
         AdaptivePolicy(cost, 8, prior=[1.5])
+
+
+def test_rows_sharing_rates_are_priced_as_each_alone():
+    """Rows that share one rates list (requests that have not drafted share the engine's) are priced as a group:
+    the same tokens/s, starts included, as when each row holds its own copy."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
+    policy.start_s_per_position = 5e-5
+    shared = [0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1]
+    caps_starts = [(8, 0), (8, 200), (3, 150), (0, 90), (8, 0), (5, 300)]
+    grouped = [(shared, cap, start) for cap, start in caps_starts]
+    alone = [(list(shared), cap, start) for cap, start in caps_starts]
+    for k in range(9):
+        for batch_size in (None, 16):
+            assert policy.throughput(grouped, k, batch_size) == pytest.approx(policy.throughput(alone, k, batch_size))
+    fresh = policy.new_request()
+    assert policy.rates(fresh, engine=shared) is shared  # a request that has not drafted: the engine's own list

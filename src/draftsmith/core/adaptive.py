@@ -302,7 +302,8 @@ class AdaptivePolicy:
         ``confidence`` in its next draft, position 1 is its confidence bin's rate (module docstring). ``engine``:
         the engine's rates when the caller has them (one computation for a batch's rows)."""
         engine = engine if engine is not None else self.engine.rates(self.prior, ENGINE_PRIOR)
-        rates = engine if request is None else request.rates(engine, REQUEST_PRIOR)
+        fresh = request is None or not any(request.tried)  # nothing observed: its rates are the engine's
+        rates = engine if fresh else request.rates(engine, REQUEST_PRIOR)
         if confidence is not None:
             b = _bin(confidence)
             tried, accepted = self.calibration.tried[b], self.calibration.accepted[b]
@@ -322,17 +323,17 @@ class AdaptivePolicy:
         return self._options(_Rows(rows), batch_size, [k])[0]
 
     def _options(self, rows: "_Rows", batch_size: int | None, ks: Sequence[int]) -> list[float]:
-        """``throughput`` at each of ``ks`` for the same rows: O(rows x len(ks)) (what ``choose`` prices)."""
+        """``throughput`` at each of ``ks`` for the same rows: O(groups x len(ks)) (what ``choose`` prices)."""
         n = len(rows.caps)
         scale = max(batch_size or n, n) / max(n, 1)
         out = []
         for k in ks:
             tokens, starts = 0.0, 0.0
-            for prefix, cap, start in zip(rows.prefixes, rows.caps, rows.starts):
+            for prefix, cap, count, start in rows.groups:
                 d = k if k < cap else cap
                 e = prefix[d]
-                tokens += e
-                if start and d > 0:  # its start, spread over the tokens it may still emit
+                tokens += count * e
+                if start and d > 0:  # its rows' starts, spread over the tokens each may still emit
                     starts += start * self.start_s_per_position * min(1.0, e / max(cap, 1))
             seconds = self._seconds(rows, k, batch_size) + starts * scale
             out.append(tokens * scale / max(seconds, 1e-9))
@@ -350,7 +351,7 @@ class AdaptivePolicy:
             est, cap, confidence, start = (*row, None, 0)[:4]
             if est is not None:
                 est.confidence = confidence
-            scored.append((self.rates(est, confidence, engine), max(0, min(cap, self.k_max)), start))
+            scored.append((self.rates(est, confidence, engine), max(0, min(cap, self.k_max)), start or 0))
         priced = _Rows(scored)
         best_cap = max(priced.caps)
         options = list(zip(self._options(priced, batch_size, range(best_cap + 1)), range(best_cap + 1)))
@@ -459,14 +460,24 @@ class AdaptivePolicy:
 
 
 class _Rows:
-    """A batch's rows as priced: cap (most drafts) and start positions per row, with each row's E(d) for
-    d = 0..cap (``prefixes``: one pass over its rates, so pricing every k is O(rows x k), not O(rows x k^2))."""
+    """A batch's rows as priced: cap (most drafts) and start positions per row; and ``groups``, the rows that share
+    one rates list and cap (every request that has not drafted yet shares the engine's), each as (E(d) for
+    d = 0..cap, cap, rows, start positions summed): pricing every k is O(groups x k), one pass over each group's
+    rates, not O(rows x k^2)."""
 
     def __init__(self, rows: Sequence[tuple], prefixes: bool = True):
         self.caps = [max(0, row[1]) for row in rows]
-        self.starts = [row[2] if len(row) > 2 else 0 for row in rows]
+        self.starts = [(row[2] or 0) if len(row) > 2 else 0 for row in rows]
         self.drafting = sum(1 for cap in self.caps if cap > 0)
-        self.prefixes = [_prefix(row[0], cap) for row, cap in zip(rows, self.caps)] if prefixes else []
+        groups: dict[tuple[int, int], list] = {}
+        if prefixes:
+            for row, cap, start in zip(rows, self.caps, self.starts):
+                group = groups.get((id(row[0]), cap))
+                if group is None:
+                    group = groups[(id(row[0]), cap)] = [_prefix(row[0], cap), cap, 0, 0]
+                group[2] += 1
+                group[3] += start
+        self.groups = list(groups.values())
 
 
 def _prefix(rates: Sequence[float], cap: int) -> list[float]:
