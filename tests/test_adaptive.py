@@ -13,6 +13,7 @@ from draftsmith.core.adaptive import (
     PROBE_BUDGET,
     AcceptanceEstimate,
     AdaptivePolicy,
+    Choice,
     CostModel,
     expected_tokens,
 )
@@ -320,3 +321,52 @@ def test_rows_sharing_rates_are_priced_as_each_alone():
             assert policy.throughput(grouped, k, batch_size) == pytest.approx(policy.throughput(alone, k, batch_size))
     fresh = policy.new_request()
     assert policy.rates(fresh, engine=shared) is shared  # a request that has not drafted: the engine's own list
+
+
+def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
+    """The decoder reports the seconds between one step's accepts and the next step's start (a slow callback here;
+    None after an idle spell); the policy averages them into every option's step, which favours the k that emits
+    more tokens per step: a gain too small to draft on the forwards alone drafts once each step also pays 20 ms."""
+    import time
+
+    from conftest import make_tiny_llama, make_word_tokenizer
+    from draftsmith import drafters
+    from draftsmith.core.batch import BatchDecoder, BatchSequence
+    from draftsmith.core.generate import GenerationConfig
+    from draftsmith.core.target import TargetModel
+
+    class Recorded:
+        def __init__(self):
+            self.outside = []
+
+        def new_request(self):
+            return None
+
+        def choose(self, rows, batch_size=None):
+            return Choice(0, 0.0)
+
+        def observe(self, *args):
+            return None
+
+        def observe_step(self, *args):
+            self.outside.append(args[8])
+
+    model, tok = make_tiny_llama(seed=3), make_word_tokenizer(96)
+    policy = Recorded()
+    ngram = drafters.get("ngram")
+    proposer = ngram.load(ngram.example(model, tok, tmp_path), model, tok).new_batch_proposer()
+    decoder = BatchDecoder(TargetModel(model, tok), proposer, 3, policy=policy)
+    cfg = GenerationConfig(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+    for _ in range(2):  # two requests one after the other: the decoder is idle in between
+        decoder.add(BatchSequence([5, 6, 7], cfg, on_tokens=lambda chunk: time.sleep(0.02)))
+        decoder.run()
+    assert len(policy.outside) == 6 and policy.outside[0] is None and policy.outside[3] is None
+    assert all(o >= 0.02 for i, o in enumerate(policy.outside) if i not in (0, 3))  # each step's slow callback
+
+    adaptive = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=1.0, draft_ms=0.5), 1)
+    adaptive.rates = lambda est, confidence=None, engine=None: [0.18]
+    assert adaptive.choose([(None, 1)]).k == 0  # (1 + 0.18) / (12.5 / 11) = 1.04x: below the margin
+    for _ in range(100):
+        adaptive.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.020)
+    assert adaptive.outside_s == pytest.approx(0.011)  # capped at the step's own seconds
+    assert adaptive.choose([(None, 1)]).k == 1  # (1.18) / (23.5 / 22) = 1.10x

@@ -63,6 +63,14 @@ confidence is known takes its bin's rate (shrunk towards the engine's position-1
 the step drafts, so the choice stays a function of the past. A row whose positions wait for a deferred accept has
 none (its drafter has not read them yet).
 
+Every step also pays for what the decoder does outside its verify forward, drafts and accepts: emitting its tokens
+(the stop rules, the requests' callbacks: a server's detokenizing and streaming), and whatever runs between two
+steps (the scheduler, the HTTP threads holding the GIL). The profile cannot see it, so the policy measures it
+(``outside_s``: an exponential average of the seconds from one step's accepts to the next step's start, prefill
+excluded, each capped at that step's own seconds) and adds it to every option's step. It is the same for any k,
+and speculation pays it once per step for several tokens: behind a server at concurrency 1 on the reference target
+it is ~3 ms of a ~10 ms step, and leaving it out made drafting look a third less worth than it is.
+
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
 an exponential average of measured ÷ modelled, clipped to [1/4, 4]): one per tokens-per-row count T for the verify
@@ -94,6 +102,7 @@ CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
 SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
 SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
 START_WEIGHT = 0.2  #: weight of one measured drafter start in ``start_s_per_position``
+OUTSIDE_WEIGHT = 0.05  #: weight of one step's measured time outside the decode work in ``outside_s``
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -290,6 +299,8 @@ class AdaptivePolicy:
         self.draft_scales: dict[int, float] = {}
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
         self.start_s_per_position = cost.start_s_per_position  #: seconds of a drafter start per context position
+        self.outside_s = 0.0  #: measured seconds per step outside the decode work (module docstring)
+        self._outside_seen = False
 
     def new_request(self) -> AcceptanceEstimate:
         """A fresh estimate for one request (its rates start at the engine's)."""
@@ -387,7 +398,7 @@ class AdaptivePolicy:
         b = max(batch_size or n, n)
         drafting = round(rows.drafting * b / max(n, 1)) if longest > 0 else 0
         t = 1 + self.reads(longest)
-        seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(b, t)
+        seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(b, t) + self.outside_s
         return seconds + self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
 
     def probe_cost(self, rows: Sequence[tuple], row: int, k: int) -> float:
@@ -411,12 +422,19 @@ class AdaptivePolicy:
         draft_s: float,
         start_s: float = 0.0,
         start_positions: int = 0,
+        outside_s: float | None = None,
     ) -> None:
         """One step's measured costs: a verify forward over ``batch_size`` rows of ``tokens_per_row`` tokens took
         ``verify_s`` seconds, ``drafting`` rows drafting ``k`` took ``draft_s`` in the proposer (drafts and
         accepts), and drafter starts over ``start_positions`` context positions in all took ``start_s`` (a row's
-        first draft: ``core.batch``). Verify and draft seconds update the scales, starts the cost per position; a
-        plain step's seconds count towards the probe budget, a probe's set its cost."""
+        first draft: ``core.batch``); ``outside_s`` (None: not measured) passed since the previous step outside
+        the decode work (module docstring: ``outside_s``). Verify and draft seconds update the scales, starts the
+        cost per position, the time outside its average; a plain step's seconds count towards the probe budget, a
+        probe's set its cost."""
+        if outside_s is not None and outside_s >= 0:  # a pause longer than the step itself is no step's cost
+            seen = min(outside_s, verify_s + draft_s + start_s)
+            w = OUTSIDE_WEIGHT if self._outside_seen else 1.0
+            self.outside_s, self._outside_seen = (1 - w) * self.outside_s + w * seen, True
         if start_positions > 0:
             per_position = start_s / start_positions
             w = START_WEIGHT if self.start_s_per_position > 0 else 1.0  # the first measurement, when none was profiled

@@ -117,10 +117,13 @@ class StepPolicy(Protocol):
         draft_s: float,
         start_s: float = 0.0,
         start_positions: int = 0,
+        outside_s: float | None = None,
     ) -> None:
         """One step's measured seconds: the verify forward (rows, padded tokens per row), the proposer's drafts
         and accepts, and the drafter starts (lazy: a row's first draft) made in the step over ``start_positions``
-        context positions in all."""
+        context positions in all; ``outside_s``: the seconds since the previous step's verify and accepts outside
+        them, prefill excluded (emitting its tokens, the requests' callbacks, the server's and the scheduler's work
+        between steps), None when the decoder was idle in between."""
 
 
 @dataclass(eq=False)
@@ -256,6 +259,8 @@ class BatchDecoder:
         self.final_hidden = bool(proposer is not None and proposer.needs_final_hidden)
         self.cache = BatchKVCache(target.model.config)
         self._start_s, self._start_positions = 0.0, 0  # drafter starts in the current step: seconds, positions
+        self._mark: float | None = None  # when the last decode's verify and accepts ended (None: idle since)
+        self._prefill_s = 0.0  # prefill seconds since then
         self.running: list[BatchSequence] = []  # in cache row order
         self.waiting: list[BatchSequence] = []  # arrival order; the first may be partly prefilled
 
@@ -307,10 +312,14 @@ class BatchDecoder:
         """Run one scheduler step (module docstring); returns the sequences that ended in it."""
         ended = self._leave()
         decode_tokens = sum(1 + self._reads(s) for s in self.running)
+        t0 = time.perf_counter()
         ended += self._prefill(max(0, self.max_num_batched_tokens - decode_tokens))
+        self._prefill_s += time.perf_counter() - t0
         if self.running:
             ended += self._decode()
         ended += self._leave()
+        if not self.running:  # idle next: the time until work comes is no step's
+            self._mark = None
         return ended
 
     def run(self) -> None:
@@ -455,6 +464,8 @@ class BatchDecoder:
         caps = [self._requested(s) for s in rows]
         self._start_s, self._start_positions = 0.0, 0
         t0 = time.perf_counter()  # the proposer's time (draft_s) includes the accepts made before the choice
+        outside = None if self._mark is None else max(0.0, t0 - self._mark - self._prefill_s)
+        self._prefill_s = 0.0
         if self.policy is not None:
             self._flush([s for s in rows if s.drafted_last])  # their drafter's confidence needs its state current
             confidence = self._confidence(rows)
@@ -508,12 +519,20 @@ class BatchDecoder:
         t2 = time.perf_counter()
         if self.proposer is not None:
             self._defer(rows, ns, emitted, step if trees is None else step.gather(kept))
-        t3 = time.perf_counter()
+        t3 = self._mark = time.perf_counter()
         if self.policy is not None:
             tokens = 1 + max(p.tokens.numel() for p in proposals)
             draft_s = (t1 - t0) + (t3 - t2) - self._start_s
             self.policy.observe_step(
-                len(rows), tokens, len(drafting), max(ks), t2 - t1, draft_s, self._start_s, self._start_positions
+                len(rows),
+                tokens,
+                len(drafting),
+                max(ks),
+                t2 - t1,
+                draft_s,
+                self._start_s,
+                self._start_positions,
+                outside,
             )
         ended = []
         for seq, p, k, n, out, rank in zip(rows, proposals, ks, ns, emitted, ranks):
