@@ -13,7 +13,8 @@ drafter cannot draft (8 past an MLP speculator's n_predict 5, or past a DFlash b
 
 Printed and written to ``--out`` (``grid.json``, ``grid.md``, ``grid.png``, and each task's bench report under
 ``TASK/``):
-  - speedup per cell (task, drafter, c) for each fixed k and ``auto``, with auto's mean chosen k;
+  - speedup per cell (task, drafter, c) for each fixed k and ``auto``, with auto's mean chosen k and plain's own
+    spread between rounds at that task and c (fastest / slowest round: what one cell can resolve);
   - the bar's two checks: cells where ``auto`` < 0.97x plain, and the geometric-mean speedup over the grid of
     ``auto`` against each single fixed k (over the cells that k ran in, and over the cells every k ran in).
 The cost models ``auto`` uses are measured at the first engine start and cached (``serve/costs.py``).
@@ -63,6 +64,10 @@ def cells(reports: dict, ks: list, methods: list) -> list[dict]:
         for method in methods:
             for i, c in enumerate(report["concurrency"]):
                 cell = {"task": task, "drafter": method, "concurrency": c}
+                plain = report["methods"].get("none", {}).get("per_concurrency", [])
+                rounds = plain[i].get("output_tokens_per_s_rounds") or [] if i < len(plain) else []
+                # the resolution of the cell: plain decoding's own fastest / slowest round at this c
+                cell["plain_spread"] = max(rounds) / min(rounds) if len(rounds) > 1 and min(rounds) > 0 else None
                 for k in [*ks, "auto"]:
                     name = f"{method}@{'auto' if k == 'auto' else f'k{k}'}"
                     rows = report["methods"].get(name, {}).get("per_concurrency", [])
@@ -96,6 +101,7 @@ def summary(grid: list[dict], ks: list) -> dict:
         for label in [*labels, "auto"]
     }
     best = max(labels, key=lambda label: per_k[label]["geomean_common"])
+    spreads = [c["plain_spread"] for c in grid if c.get("plain_spread")]
     return {
         "cells": len(grid),
         "auto_below_bar": [(c["task"], c["drafter"], c["concurrency"], round(c["auto"], 3)) for c in below],
@@ -104,13 +110,23 @@ def summary(grid: list[dict], ks: list) -> dict:
         "best_fixed_k": best,
         "auto_vs_best_fixed_k_common": per_k["auto"]["geomean_common"] / per_k[best]["geomean_common"],
         "common_cells": len(common),
+        "plain_spread_median": _rounded(statistics.median(spreads)) if spreads else None,
+        "plain_spread_max": _rounded(max(spreads)) if spreads else None,
     }
+
+
+def _rounded(x: float) -> float:
+    return round(x, 3)
 
 
 def table(grid: list[dict], ks: list, result: dict) -> str:
     labels = [str(k) for k in ks]
-    head = "| task | drafter | c | " + " | ".join(f"k={label}" for label in labels) + " | auto | auto mean k |"
-    lines = [head, "|---|---|---:|" + "---:|" * (len(labels) + 2)]
+    head = (
+        "| task | drafter | c | "
+        + " | ".join(f"k={label}" for label in labels)
+        + " | auto | auto mean k | plain's round spread |"
+    )
+    lines = [head, "|---|---|---:|" + "---:|" * (len(labels) + 3)]
     fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     for c in grid:
         mark = " **<0.97**" if c["auto"] is not None and c["auto"] < BAR else ""
@@ -118,7 +134,7 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
         lines.append(
             f"| {c['task']} | {c['drafter']} | {c['concurrency']} | "
             + " | ".join(fmt(c[label]) for label in labels)
-            + f" | {fmt(c['auto'])}{mark} | {mean_k} |"
+            + f" | {fmt(c['auto'])}{mark} | {mean_k} | {fmt(c.get('plain_spread'))} |"
         )
     g = result["geomean"]
     lines += [
@@ -135,6 +151,8 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
         f"{result['auto_below_bar'] or ''}; lowest {result['auto_min']:.3f}x",
         f"best single fixed k (common cells): k={result['best_fixed_k']}; auto / it = "
         f"{result['auto_vs_best_fixed_k_common']:.3f}",
+        f"plain's own spread between rounds (fastest / slowest round, the cells' resolution): median "
+        f"{result['plain_spread_median']}, largest {result['plain_spread_max']}",
     ]
     return "\n".join(lines)
 
