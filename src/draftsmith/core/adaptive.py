@@ -69,7 +69,9 @@ steps (the scheduler, the HTTP threads holding the GIL). The profile cannot see 
 (``outside_s``: an exponential average of the seconds from one step's accepts to the next step's start, prefill
 excluded, each capped at that step's own seconds) and adds it to every option's step. It is the same for any k,
 and speculation pays it once per step for several tokens: behind a server at concurrency 1 on the reference target
-it is ~3 ms of a ~10 ms step, and leaving it out made drafting look a third less worth than it is.
+it is ~2 ms of a ~9 ms step (plain TPOT 8.9 ms against a profiled forward of 6.5-7 ms), and leaving it out made
+drafting look less worth than it is (DFlash on code-complete at c = 1: auto 0.86x plain against 1.04x at k = 3;
+with it, 1.08x against 1.10x).
 
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
