@@ -18,7 +18,9 @@ One ``BatchDecoder.step()``:
 
 With a ``policy`` (``core.adaptive.AdaptivePolicy``: ``"num_speculative_tokens": "auto"``) step 3 first chooses one
 k for the batch (0 allowed: a plain step) from the rows' live acceptance estimates and the measured cost model, and
-each row's verify outcome updates its estimate. A row that drafts nothing in a step does not call the proposer:
+each row's verify outcome updates its estimate; every step also reports its measured seconds (verify, drafts and
+accepts, starts, and the time since the previous step spent outside them, prefill excluded: ``StepPolicy.
+observe_step``). A row that drafts nothing in a step does not call the proposer:
 its verified positions wait (``BatchSequence.pending``) and reach ``BatchProposer.accept`` as ONE call, before the
 row's next ``propose`` (or once ``PENDING_LIMIT`` tokens wait): several plain steps are one context extension of
 n + 1 positions, which every proposer reads as after a verify step that accepted n drafts. So a plain step costs
