@@ -324,9 +324,10 @@ def test_rows_sharing_rates_are_priced_as_each_alone():
 
 
 def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
-    """The decoder reports the seconds between one step's accepts and the next step's start (a slow callback here;
-    None after an idle spell); the policy averages them into every option's step, which favours the k that emits
-    more tokens per step: a gain too small to draft on the forwards alone drafts once each step also pays 20 ms."""
+    """The decoder reports each step's seconds emitting its tokens (a callback taking 10 ms per token here) and the
+    seconds between steps (None after an idle spell); the policy prices the first per token and the second per
+    step. Time paid per step favours the k that emits more tokens per step (a gain too small to draft on the
+    forwards alone drafts once each step also pays 11 ms between steps); time paid per token does not."""
     import time
 
     from conftest import make_tiny_llama, make_word_tokenizer
@@ -337,7 +338,7 @@ def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
 
     class Recorded:
         def __init__(self):
-            self.outside = []
+            self.steps = []
 
         def new_request(self):
             return None
@@ -349,7 +350,7 @@ def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
             return None
 
         def observe_step(self, *args):
-            self.outside.append(args[8])
+            self.steps.append(args[8:])
 
     model, tok = make_tiny_llama(seed=3), make_word_tokenizer(96)
     policy = Recorded()
@@ -358,15 +359,25 @@ def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
     decoder = BatchDecoder(TargetModel(model, tok), proposer, 3, policy=policy)
     cfg = GenerationConfig(max_new_tokens=4, temperature=0.0, ignore_eos=True)
     for _ in range(2):  # two requests one after the other: the decoder is idle in between
-        decoder.add(BatchSequence([5, 6, 7], cfg, on_tokens=lambda chunk: time.sleep(0.02)))
+        decoder.add(BatchSequence([5, 6, 7], cfg, on_tokens=lambda chunk: time.sleep(0.01 * len(chunk))))
         decoder.run()
-    assert len(policy.outside) == 6 and policy.outside[0] is None and policy.outside[3] is None
-    assert all(o >= 0.02 for i, o in enumerate(policy.outside) if i not in (0, 3))  # each step's slow callback
+    assert len(policy.steps) == 6 and policy.steps[0][0] is None and policy.steps[3][0] is None
+    assert all(between >= 0 for between, _, _ in policy.steps[1:3] + policy.steps[4:])
+    assert all(emitted == 1 and emit_s >= 0.01 for _, emit_s, emitted in policy.steps)  # plain: one token a step
 
-    adaptive = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=1.0, draft_ms=0.5), 1)
-    adaptive.rates = lambda est, confidence=None, engine=None: [0.18]
-    assert adaptive.choose([(None, 1)]).k == 0  # (1 + 0.18) / (12.5 / 11) = 1.04x: below the margin
+    def marginal() -> AdaptivePolicy:
+        adaptive = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=1.0, draft_ms=0.5), 1)
+        adaptive.rates = lambda est, confidence=None, engine=None: [0.18]
+        return adaptive
+
+    assert marginal().choose([(None, 1)]).k == 0  # (1 + 0.18) / (12.5 / 11) = 1.04x: below the margin
+    per_step = marginal()
     for _ in range(100):
-        adaptive.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.020)
-    assert adaptive.outside_s == pytest.approx(0.011)  # capped at the step's own seconds
-    assert adaptive.choose([(None, 1)]).k == 1  # (1.18) / (23.5 / 22) = 1.10x
+        per_step.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.020, 0.0, 1)
+    assert per_step.between_s == pytest.approx(0.011)  # capped at the step's own seconds
+    assert per_step.choose([(None, 1)]).k == 1  # 1.18 / (23.5 / 22) = 1.10x
+    per_token = marginal()
+    for _ in range(100):
+        per_token.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.0, 0.011, 1)
+    assert per_token.emit_s_per_token == pytest.approx(0.011)
+    assert per_token.choose([(None, 1)]).k == 0  # 1.18 / ((12.5 + 1.18 * 11) / 22) = 1.02x: plain

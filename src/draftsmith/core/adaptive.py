@@ -63,15 +63,16 @@ confidence is known takes its bin's rate (shrunk towards the engine's position-1
 the step drafts, so the choice stays a function of the past. A row whose positions wait for a deferred accept has
 none (its drafter has not read them yet).
 
-Every step also pays for what the decoder does outside its verify forward, drafts and accepts: emitting its tokens
-(the stop rules, the requests' callbacks: a server's detokenizing and streaming), and whatever runs between two
-steps (the scheduler, the HTTP threads holding the GIL). The profile cannot see it, so the policy measures it
-(``outside_s``: an exponential average of the seconds from one step's accepts to the next step's start, prefill
-excluded, each capped at that step's own seconds) and adds it to every option's step. It is the same for any k,
-and speculation pays it once per step for several tokens: behind a server at concurrency 1 on the reference target
-it is ~2 ms of a ~9 ms step (plain TPOT 8.9 ms against a profiled forward of 6.5-7 ms), and leaving it out made
-drafting look less worth than it is (DFlash on code-complete at c = 1: auto 0.86x plain against 1.04x at k = 3;
-with it, 1.08x against 1.10x).
+Every step also pays for what the decoder does outside its verify forward, drafts and accepts, which the profile
+cannot see, so the policy measures it: the time between two steps (``between_s``, an exponential average, prefill
+excluded and each capped at that step's own seconds: the scheduler, the HTTP threads holding the GIL) is paid once
+per step, whatever k; emitting the tokens (``emit_s_per_token``: the stop rules and the requests' callbacks, a
+server's detokenizing, which reads its text token by token) is paid per token emitted. Speculation pays the first
+once for several tokens and the second for each: behind a server at concurrency 1 on the reference target a step
+spends ~2 ms outside its forward (plain TPOT 8.9 ms against a profiled forward of 6.5-7 ms), and leaving it out
+made drafting look less worth than it is (DFlash on code-complete at c = 1: auto 0.86x plain against 1.04x at
+k = 3; with it, 1.08x against 1.10x); counting all of it per step (at c = 8 most of it is 8 requests'
+detokenizing, per token) made drafting look more worth than it is there (0.85-0.87x in three cells).
 
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
@@ -104,7 +105,7 @@ CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
 SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
 SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
 START_WEIGHT = 0.2  #: weight of one measured drafter start in ``start_s_per_position``
-OUTSIDE_WEIGHT = 0.05  #: weight of one step's measured time outside the decode work in ``outside_s``
+OVERHEAD_WEIGHT = 0.05  #: weight of one step's measurement in ``between_s`` and ``emit_s_per_token``
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -301,8 +302,9 @@ class AdaptivePolicy:
         self.draft_scales: dict[int, float] = {}
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
         self.start_s_per_position = cost.start_s_per_position  #: seconds of a drafter start per context position
-        self.outside_s = 0.0  #: measured seconds per step outside the decode work (module docstring)
-        self._outside_seen = False
+        self.between_s = 0.0  #: measured seconds between two steps (module docstring)
+        self.emit_s_per_token = 0.0  #: measured seconds of emitting one token (module docstring)
+        self._between_seen = self._emit_seen = False
 
     def new_request(self) -> AcceptanceEstimate:
         """A fresh estimate for one request (its rates start at the engine's)."""
@@ -348,7 +350,7 @@ class AdaptivePolicy:
                 tokens += count * e
                 if start and d > 0:  # its rows' starts, spread over the tokens each may still emit
                     starts += start * self.start_s_per_position * min(1.0, e / max(cap, 1))
-            seconds = self._seconds(rows, k, batch_size) + starts * scale
+            seconds = self._seconds(rows, k, batch_size) + (starts + self.emit_s_per_token * tokens) * scale
             out.append(tokens * scale / max(seconds, 1e-9))
         return out
 
@@ -400,7 +402,7 @@ class AdaptivePolicy:
         b = max(batch_size or n, n)
         drafting = round(rows.drafting * b / max(n, 1)) if longest > 0 else 0
         t = 1 + self.reads(longest)
-        seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(b, t) + self.outside_s
+        seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(b, t) + self.between_s
         return seconds + self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
 
     def probe_cost(self, rows: Sequence[tuple], row: int, k: int) -> float:
@@ -424,19 +426,25 @@ class AdaptivePolicy:
         draft_s: float,
         start_s: float = 0.0,
         start_positions: int = 0,
-        outside_s: float | None = None,
+        between_s: float | None = None,
+        emit_s: float = 0.0,
+        emitted: int = 0,
     ) -> None:
         """One step's measured costs: a verify forward over ``batch_size`` rows of ``tokens_per_row`` tokens took
         ``verify_s`` seconds, ``drafting`` rows drafting ``k`` took ``draft_s`` in the proposer (drafts and
         accepts), and drafter starts over ``start_positions`` context positions in all took ``start_s`` (a row's
-        first draft: ``core.batch``); ``outside_s`` (None: not measured) passed since the previous step outside
-        the decode work (module docstring: ``outside_s``). Verify and draft seconds update the scales, starts the
-        cost per position, the time outside its average; a plain step's seconds count towards the probe budget, a
-        probe's set its cost."""
-        if outside_s is not None and outside_s >= 0:  # a pause longer than the step itself is no step's cost
-            seen = min(outside_s, verify_s + draft_s + start_s)
-            w = OUTSIDE_WEIGHT if self._outside_seen else 1.0
-            self.outside_s, self._outside_seen = (1 - w) * self.outside_s + w * seen, True
+        first draft: ``core.batch``); ``between_s`` (None: not measured) passed between the previous step and this
+        one, and emitting its ``emitted`` tokens took ``emit_s`` (module docstring). Verify and draft seconds update
+        the scales, starts the cost per position, the others their averages; a plain step's seconds count towards
+        the probe budget, a probe's set its cost."""
+        own = verify_s + draft_s + start_s
+        if between_s is not None and between_s >= 0:  # a pause longer than the step itself is no step's cost
+            w = OVERHEAD_WEIGHT if self._between_seen else 1.0
+            self.between_s, self._between_seen = (1 - w) * self.between_s + w * min(between_s, own), True
+        if emitted > 0 and emit_s >= 0:
+            w = OVERHEAD_WEIGHT if self._emit_seen else 1.0
+            per_token = min(emit_s, own) / emitted
+            self.emit_s_per_token, self._emit_seen = (1 - w) * self.emit_s_per_token + w * per_token, True
         if start_positions > 0:
             per_position = start_s / start_positions
             w = START_WEIGHT if self.start_s_per_position > 0 else 1.0  # the first measurement, when none was profiled

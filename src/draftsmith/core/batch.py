@@ -19,8 +19,8 @@ One ``BatchDecoder.step()``:
 With a ``policy`` (``core.adaptive.AdaptivePolicy``: ``"num_speculative_tokens": "auto"``) step 3 first chooses one
 k for the batch (0 allowed: a plain step) from the rows' live acceptance estimates and the measured cost model, and
 each row's verify outcome updates its estimate; every step also reports its measured seconds (verify, drafts and
-accepts, starts, and the time since the previous step spent outside them, prefill excluded: ``StepPolicy.
-observe_step``). A row that drafts nothing in a step does not call the proposer:
+accepts, starts, emitting its tokens, and the time between the previous step and this one, prefill excluded:
+``StepPolicy.observe_step``). A row that drafts nothing in a step does not call the proposer:
 its verified positions wait (``BatchSequence.pending``) and reach ``BatchProposer.accept`` as ONE call, before the
 row's next ``propose`` (or once ``PENDING_LIMIT`` tokens wait): several plain steps are one context extension of
 n + 1 positions, which every proposer reads as after a verify step that accepted n drafts. So a plain step costs
@@ -119,13 +119,16 @@ class StepPolicy(Protocol):
         draft_s: float,
         start_s: float = 0.0,
         start_positions: int = 0,
-        outside_s: float | None = None,
+        between_s: float | None = None,
+        emit_s: float = 0.0,
+        emitted: int = 0,
     ) -> None:
         """One step's measured seconds: the verify forward (rows, padded tokens per row), the proposer's drafts
         and accepts, and the drafter starts (lazy: a row's first draft) made in the step over ``start_positions``
-        context positions in all; ``outside_s``: the seconds since the previous step's verify and accepts outside
-        them, prefill excluded (emitting its tokens, the requests' callbacks, the server's and the scheduler's work
-        between steps), None when the decoder was idle in between."""
+        context positions in all; ``between_s``: the seconds between the previous step's end and this step's start,
+        prefill excluded (the scheduler's and the server's work between steps; None when the decoder was idle in
+        between); ``emit_s``: the seconds this step spent emitting its ``emitted`` tokens (the stop rules and the
+        requests' callbacks: a server's detokenizing and streaming)."""
 
 
 @dataclass(eq=False)
@@ -261,7 +264,7 @@ class BatchDecoder:
         self.final_hidden = bool(proposer is not None and proposer.needs_final_hidden)
         self.cache = BatchKVCache(target.model.config)
         self._start_s, self._start_positions = 0.0, 0  # drafter starts in the current step: seconds, positions
-        self._mark: float | None = None  # when the last decode's verify and accepts ended (None: idle since)
+        self._mark: float | None = None  # when the last decode ended (None: idle since)
         self._prefill_s = 0.0  # prefill seconds since then
         self.running: list[BatchSequence] = []  # in cache row order
         self.waiting: list[BatchSequence] = []  # arrival order; the first may be partly prefilled
@@ -466,7 +469,7 @@ class BatchDecoder:
         caps = [self._requested(s) for s in rows]
         self._start_s, self._start_positions = 0.0, 0
         t0 = time.perf_counter()  # the proposer's time (draft_s) includes the accepts made before the choice
-        outside = None if self._mark is None else max(0.0, t0 - self._mark - self._prefill_s)
+        between = None if self._mark is None else max(0.0, t0 - self._mark - self._prefill_s)
         self._prefill_s = 0.0
         if self.policy is not None:
             self._flush([s for s in rows if s.drafted_last])  # their drafter's confidence needs its state current
@@ -521,21 +524,7 @@ class BatchDecoder:
         t2 = time.perf_counter()
         if self.proposer is not None:
             self._defer(rows, ns, emitted, step if trees is None else step.gather(kept))
-        t3 = self._mark = time.perf_counter()
-        if self.policy is not None:
-            tokens = 1 + max(p.tokens.numel() for p in proposals)
-            draft_s = (t1 - t0) + (t3 - t2) - self._start_s
-            self.policy.observe_step(
-                len(rows),
-                tokens,
-                len(drafting),
-                max(ks),
-                t2 - t1,
-                draft_s,
-                self._start_s,
-                self._start_positions,
-                outside,
-            )
+        t3 = time.perf_counter()
         ended = []
         for seq, p, k, n, out, rank in zip(rows, proposals, ks, ns, emitted, ranks):
             seq.forwards += 1
@@ -561,6 +550,21 @@ class BatchDecoder:
                     continue
             if self._emit(seq, out.tolist()):
                 ended.append(seq)
+        t4 = self._mark = time.perf_counter()
+        if self.policy is not None:
+            self.policy.observe_step(
+                len(rows),
+                1 + max(p.tokens.numel() for p in proposals),
+                len(drafting),
+                max(ks),
+                t2 - t1,
+                (t1 - t0) + (t3 - t2) - self._start_s,
+                self._start_s,
+                self._start_positions,
+                between,
+                t4 - t3,
+                sum(int(out.numel()) for out in emitted),
+            )
         return ended
 
     def _confidence(self, rows: list[BatchSequence]) -> list[float | None]:
