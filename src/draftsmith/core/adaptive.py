@@ -238,11 +238,7 @@ class AcceptanceEstimate:
 
 def expected_tokens(rates: Sequence[float], depth: int) -> float:
     """E(d) = 1 + sum_{i<=d} prod_{j<=i} a_j: tokens one step emits with ``depth`` drafts (module docstring)."""
-    total, reach = 1.0, 1.0
-    for a in rates[:depth]:
-        reach *= a
-        total += reach
-    return total
+    return _prefix(rates, max(0, depth))[-1]
 
 
 @dataclass
