@@ -6,15 +6,18 @@
 For each task, one ``draftsmith bench`` run (``evaluation.bench.run_bench``) serves plain decoding and every
 drafter at each fixed k (default 1 3 5 8) and at ``auto``, at every concurrency (default 1 8 32), over that task's
 first ``--num-prompts`` prompts, in ``--rounds`` rounds (default 1: one run per cell; the server order rotates per
-round; one value per concurrency level repeats the short, noisy batches of high concurrency more often); speedup =
-the median over rounds of the method's output tokens/s ÷ plain's at the same concurrency in the same round. A k a
+round; one value per concurrency level repeats the short, noisy batches of high concurrency more often). The
+measurement is paired (``--baseline-every``, default 1): a plain batch runs before the first batch of each round and
+after every N batches, and speedup = the median over rounds of the method's output tokens/s ÷ the geometric mean of
+the plain batches just before and after it, so the slow drift of a shared machine cancels. A k a
 drafter cannot draft (8 past an MLP speculator's n_predict 5, or past a DFlash block) is left out of its cells
 (``skipped``).
 
 Printed and written to ``--out`` (``grid.json``, ``grid.md``, ``grid.png``, and each task's bench report under
 ``TASK/``):
   - speedup per cell (task, drafter, c) for each fixed k and ``auto``, with auto's mean chosen k and plain's own
-    spread between rounds at that task and c (fastest / slowest round: what one cell can resolve);
+    spread at that task and c: the median over consecutive plain batches of faster / slower (what a paired cell
+    can resolve), and fastest / slowest of all its batches (what an unpaired one could);
   - the bar's two checks: cells where ``auto`` < 0.97x plain, and the geometric-mean speedup over the grid of
     ``auto`` against each single fixed k (over the cells that k ran in, and over the cells every k ran in).
 The cost models ``auto`` uses are measured at the first engine start and cached (``serve/costs.py``).
@@ -52,6 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", nargs="+", type=int, default=[1], help="one value, or one per --concurrency level")
+    p.add_argument("--baseline-every", type=int, default=1, help="a plain batch after every N others (0: unpaired)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--out", default="runs/adaptive-grid")
     return p.parse_args(argv)
@@ -66,8 +70,11 @@ def cells(reports: dict, ks: list, methods: list) -> list[dict]:
                 cell = {"task": task, "drafter": method, "concurrency": c}
                 plain = report["methods"].get("none", {}).get("per_concurrency", [])
                 rounds = plain[i].get("output_tokens_per_s_rounds") or [] if i < len(plain) else []
-                # the resolution of the cell: plain decoding's own fastest / slowest round at this c
+                # the resolution of the cell: plain decoding's own spread at this c, over all its batches and
+                # between consecutive ones (what pairing compares)
                 cell["plain_spread"] = max(rounds) / min(rounds) if len(rounds) > 1 and min(rounds) > 0 else None
+                pairs = [max(a, b) / min(a, b) for a, b in zip(rounds, rounds[1:]) if min(a, b) > 0]
+                cell["plain_pair_spread"] = statistics.median(pairs) if pairs else None
                 for k in [*ks, "auto"]:
                     name = f"{method}@{'auto' if k == 'auto' else f'k{k}'}"
                     rows = report["methods"].get(name, {}).get("per_concurrency", [])
@@ -102,6 +109,7 @@ def summary(grid: list[dict], ks: list) -> dict:
     }
     best = max(labels, key=lambda label: per_k[label]["geomean_common"])
     spreads = [c["plain_spread"] for c in grid if c.get("plain_spread")]
+    pair_spreads = [c["plain_pair_spread"] for c in grid if c.get("plain_pair_spread")]
     return {
         "cells": len(grid),
         "auto_below_bar": [(c["task"], c["drafter"], c["concurrency"], round(c["auto"], 3)) for c in below],
@@ -112,6 +120,8 @@ def summary(grid: list[dict], ks: list) -> dict:
         "common_cells": len(common),
         "plain_spread_median": _rounded(statistics.median(spreads)) if spreads else None,
         "plain_spread_max": _rounded(max(spreads)) if spreads else None,
+        "plain_pair_spread_median": _rounded(statistics.median(pair_spreads)) if pair_spreads else None,
+        "plain_pair_spread_max": _rounded(max(pair_spreads)) if pair_spreads else None,
     }
 
 
@@ -124,7 +134,7 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
     head = (
         "| task | drafter | c | "
         + " | ".join(f"k={label}" for label in labels)
-        + " | auto | auto mean k | plain's round spread |"
+        + " | auto | auto mean k | plain's spread: consecutive / all |"
     )
     lines = [head, "|---|---|---:|" + "---:|" * (len(labels) + 3)]
     fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
@@ -134,7 +144,8 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
         lines.append(
             f"| {c['task']} | {c['drafter']} | {c['concurrency']} | "
             + " | ".join(fmt(c[label]) for label in labels)
-            + f" | {fmt(c['auto'])}{mark} | {mean_k} | {fmt(c.get('plain_spread'))} |"
+            + f" | {fmt(c['auto'])}{mark} | {mean_k} "
+            + f"| {fmt(c.get('plain_pair_spread'))} / {fmt(c.get('plain_spread'))} |"
         )
     g = result["geomean"]
     lines += [
@@ -151,8 +162,9 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
         f"{result['auto_below_bar'] or ''}; lowest {result['auto_min']:.3f}x",
         f"best single fixed k (common cells): k={result['best_fixed_k']}; auto / it = "
         f"{result['auto_vs_best_fixed_k_common']:.3f}",
-        f"plain's own spread between rounds (fastest / slowest round, the cells' resolution): median "
-        f"{result['plain_spread_median']}, largest {result['plain_spread_max']}",
+        f"plain's own spread (the cells' resolution): between consecutive plain batches (faster / slower) median "
+        f"{result['plain_pair_spread_median']}, largest {result['plain_pair_spread_max']}; fastest / slowest of all "
+        f"its batches median {result['plain_spread_median']}, largest {result['plain_spread_max']}",
     ]
     return "\n".join(lines)
 
@@ -212,6 +224,7 @@ def main(argv=None) -> int:
             max_tokens=args.max_tokens,
             concurrency=args.concurrency,
             rounds=args.rounds,
+            baseline_every=args.baseline_every,
             threads=args.threads,
             out=str(out / task),
         )
@@ -221,10 +234,15 @@ def main(argv=None) -> int:
     result = summary(grid, args.ks)
     text = table(grid, args.ks, result)
     cpu = torch.backends.cpu.get_cpu_capability()
+    paired = (
+        f"the plain batches just before and after (one after every {args.baseline_every})"
+        if args.baseline_every
+        else "plain in the same round"
+    )
     header = (
         f"reference grid: tasks {', '.join(tasks)}; {args.num_prompts} prompts x {args.max_tokens} tokens per task; "
         f"concurrency {args.concurrency}; rounds {args.rounds} (per level) of one run per cell, speedup = median "
-        f"over rounds of the ratio to plain in the same round; torch threads {args.threads}; CPU capability {cpu}"
+        f"over rounds of the ratio to {paired}; torch threads {args.threads}; CPU capability {cpu}"
     )
     print(header + "\n\n" + text)
     (out / "grid.md").write_text(header + "\n\n" + text + "\n")

@@ -114,6 +114,46 @@ def test_verdicts_pair_rounds_and_say_not_worth_enabling():
     assert lonely["ngram"]["speedup"] is None and "no baseline" in lonely["ngram"]["verdict"]
 
 
+def test_paired_measurement_brackets_every_batch_and_cancels_drift(monkeypatch):
+    """baseline_every = 1: plain runs first and after every other batch, the others rotating per round; on a
+    machine that slows by 10% per batch, a method twice as fast as plain reads exactly 2.0 paired, while
+    comparing with plain's batch of the same round (unpaired) reads the drift as the method's."""
+    from draftsmith.evaluation import bench
+
+    calls = []
+    true_speed = {"none": 100.0, "a": 200.0, "b": 200.0}
+
+    async def fake_run_batch(url, model, prompts, max_tokens, concurrency):
+        calls.append(url)
+        drift = 0.9 ** len(calls)
+        return _batch(1.0, [int(round(true_speed[url] * drift * 1000))], concurrency=concurrency)
+
+    monkeypatch.setattr(bench, "run_batch", fake_run_batch)
+    servers = {name: (name, "m") for name in true_speed}
+    cfg = BenchConfig(methods=list(true_speed), concurrency=(1,), rounds=2, baseline_every=1)
+    results, alone = asyncio.run(bench._measure(servers, [[1, 2]], cfg))
+    assert alone is None and calls[:3] == ["none", "a", "b"]  # warm-up
+    assert calls[3:] == ["none", "a", "none", "b", "none"] + ["none", "b", "none", "a", "none"]
+    assert [len(results[n][1]) for n in ("none", "a", "b")] == [6, 2, 2]
+    rows = {
+        name: summarize(results[name][1], baseline_batches=results["none"][1] if name != "none" else None)
+        for name in true_speed
+    }
+    add_verdicts(rows)
+    assert rows["a"]["speedup"] == pytest.approx(2.0, rel=1e-3) and rows["b"]["speedup"] == pytest.approx(2.0, rel=1e-3)
+    assert rows["a"]["baseline_mismatches"] == 0 and rows["none"]["speedup"] == 1.0
+
+    calls.clear()
+    unpaired = BenchConfig(methods=list(true_speed), concurrency=(1,), rounds=2, baseline_every=0)
+    results, _ = asyncio.run(bench._measure(servers, [[1, 2]], unpaired))
+    assert calls[3:] == ["none", "a", "b", "a", "b", "none"]  # one plain batch per round, in the rotation
+    rows = {name: summarize(results[name][1]) for name in true_speed}
+    add_verdicts(rows)
+    assert all(abs(rows[n]["speedup"] - 2.0) > 0.05 for n in "ab")  # drift read as the methods' own effect
+    with pytest.raises(ValueError, match="baseline_every"):
+        BenchConfig(baseline_every=-1)
+
+
 LEVELS = (1, 4, 16, 32)
 TOKENS_PER_S = {  # two rounds per level: the second round at half the speed (a noisy machine), ratios unchanged
     "none": [10, 30, 80, 100],
@@ -284,10 +324,10 @@ def test_tiny_end_to_end(tiny_llama, tmp_path):
     assert list(methods) == ["none", "ngram", "hf:plain", "hf:prompt_lookup"]
     assert report["reference"]["separate_run"] and report["reference"]["failed"] == 0
     assert report["config"]["requests_per_batch"] == [3, 4]
-    for name in ("none", "ngram"):
+    for name, per_round in (("none", 2), ("ngram", 1)):  # paired: plain before and after each ngram batch
         assert [r["concurrency"] for r in methods[name]["per_concurrency"]] == [2, 4]
-        assert [r["requests"] for r in methods[name]["per_concurrency"]] == [6, 12]  # rounds x max(3, c)
-        assert [r["rounds"] for r in methods[name]["per_concurrency"]] == [2, 3]
+        assert [r["requests"] for r in methods[name]["per_concurrency"]] == [6 * per_round, 12 * per_round]
+        assert [r["rounds"] for r in methods[name]["per_concurrency"]] == [2 * per_round, 3 * per_round]
         assert methods[name]["scaling"] is not None and (
             methods[name]["scaling_from"],
             methods[name]["scaling_to"],
@@ -335,8 +375,8 @@ def test_reference_target_end_to_end(tmp_path):
         assert method["kind"] == "server" and [r["concurrency"] for r in method["per_concurrency"]] == [1, 2]
         assert method["scaling"] is not None and isinstance(method["verdict"], str)
         for row in method["per_concurrency"]:
-            assert row["requests"] == 2 and row["failed"] == 0, (name, row["errors"])
-            assert row["greedy_checked"] == 2 and row["greedy_mismatches"] == 0, name
+            assert row["requests"] == (4 if name == "none" else 2) and row["failed"] == 0, (name, row["errors"])
+            assert row["greedy_checked"] == row["requests"] and row["greedy_mismatches"] == 0, name
             assert row["output_tokens"] > 0 and row["speedup"] is not None
     assert data["methods"]["ngram"]["per_concurrency"][1]["baseline_mismatches"] == 0
     assert paths["plot"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -127,13 +127,33 @@ class RequestRecord:
 class BatchResult:
     """One batch sent to one server: per-request records (request order: request i is prompt
     ``i mod num_prompts``), wall time (s), /metrics counter deltas, the concurrency it ran at and the peaks of
-    the scheduler gauges seen while polling (``{"running": n, "waiting": n}``, empty when never seen)."""
+    the scheduler gauges seen while polling (``{"running": n, "waiting": n}``, empty when never seen).
+
+    Paired measurement (``BenchConfig.baseline_every`` > 0) sets, on a batch of a speculative server, the
+    no-speculation batches run just before and after it at the same concurrency (``before``, ``after``; the
+    latter None when the round ended first)."""
 
     records: list[RequestRecord]
     wall_s: float
     counters: dict[str, float] = field(default_factory=dict)
     concurrency: int = 1
     peaks: dict[str, float] = field(default_factory=dict)
+    before: "BatchResult | None" = field(default=None, repr=False)
+    after: "BatchResult | None" = field(default=None, repr=False)
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        """Output tokens of the successful requests ÷ wall seconds."""
+        return sum(r.tokens for r in self.records if r.ok) / max(self.wall_s, 1e-9)
+
+    @property
+    def baseline_tokens_per_s(self) -> float | None:
+        """Paired: the geometric mean of the bracketing plain batches' tokens/s (one when only one ran; None
+        unpaired, or when a bracketing batch made no tokens)."""
+        rates = [b.output_tokens_per_s for b in (self.before, self.after) if b is not None]
+        if not rates or min(rates) <= 0:
+            return None
+        return math.prod(rates) ** (1.0 / len(rates))
 
 
 # --- numbers -------------------------------------------------------------------------------------------------
@@ -169,7 +189,8 @@ def summarize(
             are not compared); request i is checked against entry ``i mod len``: ``greedy_mismatches`` counts
             the differing successful responses of all rounds (``greedy_checked`` how many were compared).
         baseline_batches: the no-speculation server's batches at the same concurrency, same rounds:
-            ``baseline_mismatches`` counts responses differing from its response to the same request.
+            ``baseline_mismatches`` counts responses differing from its response to the same request (in the
+            plain batch just before, when the measurement was paired).
 
     Returns:
         The row dict (``greedy_mismatches`` / ``baseline_mismatches`` None without their references).
@@ -179,7 +200,7 @@ def summarize(
     per_round = [
         {
             "requests_per_s": sum(r.ok for r in b.records) / max(b.wall_s, 1e-9),
-            "output_tokens_per_s": sum(r.tokens for r in b.records if r.ok) / max(b.wall_s, 1e-9),
+            "output_tokens_per_s": b.output_tokens_per_s,
         }
         for b in batches
     ]
@@ -196,6 +217,7 @@ def summarize(
         "requests_per_s": statistics.median(x["requests_per_s"] for x in per_round),
         "output_tokens_per_s": statistics.median(x["output_tokens_per_s"] for x in per_round),
         "output_tokens_per_s_rounds": [x["output_tokens_per_s"] for x in per_round],
+        "paired_baseline_tokens_per_s": [b.baseline_tokens_per_s for b in batches],
         "ttft_ms": distribution([1e3 * r.ttft_s for r in good]),
         "tpot_ms": distribution([1e3 * r.tpot_s for r in good if r.tpot_s is not None]),
         "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
@@ -218,9 +240,10 @@ def summarize(
         pairs = [(text, ref) for text, ref in pairs if ref is not None]
         row["greedy_mismatches"], row["greedy_checked"] = sum(a != b for a, b in pairs), len(pairs)
     if baseline_batches is not None:
+        paired = all(b.before is not None for b in batches)
         row["baseline_mismatches"] = sum(
             r.text != s.text
-            for b, base in zip(batches, baseline_batches)
+            for b, base in zip(batches, [b.before for b in batches] if paired else baseline_batches)
             for r, s in zip(b.records, base.records)
             if r.ok and s.ok
         )
@@ -244,8 +267,9 @@ def add_verdicts(rows: dict[str, dict], baseline: str = BASELINE, prefix: str = 
     """Set ``speedup`` and ``verdict`` on every row whose name starts with ``prefix`` (baseline included, 1.0).
 
     ``rows``: ``{method: row}`` at one concurrency. speedup = median over rounds of row tokens/s ÷ baseline
-    tokens/s in the same round (paired; rounds beyond the shorter list, and rounds where the baseline made no
-    tokens, are ignored)."""
+    tokens/s: the plain batches bracketing that batch when the measurement was paired
+    (``paired_baseline_tokens_per_s``), else the baseline's batch of the same round (rounds beyond the shorter
+    list, and rounds where the baseline made no tokens, are ignored)."""
     base = rows.get(baseline)
     for name, row in rows.items():
         if not name.startswith(prefix):
@@ -253,7 +277,9 @@ def add_verdicts(rows: dict[str, dict], baseline: str = BASELINE, prefix: str = 
         if base is None:
             row["speedup"], row["verdict"] = None, "n/a (no baseline run)"
             continue
-        ratios = [a / b for a, b in zip(row["output_tokens_per_s_rounds"], base["output_tokens_per_s_rounds"]) if b > 0]
+        paired = row.get("paired_baseline_tokens_per_s") or []
+        bases = paired if paired and None not in paired else base["output_tokens_per_s_rounds"]
+        ratios = [a / b for a, b in zip(row["output_tokens_per_s_rounds"], bases) if b and b > 0]
         row["speedup"] = statistics.median(ratios) if ratios else None
         row["verdict"] = "baseline" if name == baseline else verdict(row["speedup"])
 
@@ -723,7 +749,10 @@ async def _measure(
 ) -> tuple[dict[str, dict[int, list[BatchResult]]], BatchResult | None]:
     """Warm-up, the c = 1 reference batch of the baseline when 1 is not a level, then ``cfg.rounds`` rounds:
     each round, for each concurrency (ascending) that has rounds left (``rounds_at``), one batch per server (the
-    order rotates per round).
+    order rotates per round). Paired (``cfg.baseline_every`` > 0, a baseline among the servers): the baseline is
+    left out of the rotation and runs first and after every ``baseline_every`` other batches (and last), each
+    other batch keeping the plain batches just before and after it (``BatchResult.before`` / ``after``); the
+    baseline's list then holds all its batches.
 
     ``servers``: ``{label: (url, model name)}``. Returns ``({label: {c: [BatchResult per round]}}, the extra
     reference batch or None)``."""
@@ -736,22 +765,40 @@ async def _measure(
     if 1 not in cfg.concurrency and BASELINE in servers:
         alone = await run_batch(*servers[BASELINE], prompts, cfg.max_tokens, 1)
     results: dict[str, dict[int, list[BatchResult]]] = {name: {c: [] for c in cfg.concurrency} for name in names}
-    total = sum(rounds_at(cfg, c) for c in cfg.concurrency) * len(names)
+    paired = cfg.baseline_every > 0 and BASELINE in servers and len(names) > 1
+    rotated = [n for n in names if n != BASELINE] if paired else names
+    plain_per_round = 1 + math.ceil(len(rotated) / cfg.baseline_every) if paired else 0
+    per_round = len(rotated) + plain_per_round
+    total = sum(rounds_at(cfg, c) for c in cfg.concurrency) * per_round
     with tqdm(total=total, desc="bench servers", unit="batch") as progress:
+
+        async def one(name: str, requests, c: int) -> BatchResult:
+            url, model = servers[name]
+            batch = await run_batch(url, model, requests, cfg.max_tokens, c)
+            results[name][c].append(batch)
+            failed = sum(not r.ok for r in batch.records)
+            progress.set_postfix_str(
+                f"{name} c={c}: {batch.output_tokens_per_s:.1f} tok/s" + (f", {failed} failed" if failed else "")
+            )
+            progress.update()
+            return batch
+
         for round_index in range(max(rounds_at(cfg, c) for c in cfg.concurrency)):
-            order = names[round_index % len(names) :] + names[: round_index % len(names)]
+            shift = round_index % len(rotated)
+            order = rotated[shift:] + rotated[:shift]
             for c in [c for c in cfg.concurrency if round_index < rounds_at(cfg, c)]:
                 requests = requests_for(prompts, c)
-                for name in order:
-                    url, model = servers[name]
-                    batch = await run_batch(url, model, requests, cfg.max_tokens, c)
-                    results[name][c].append(batch)
-                    failed = sum(not r.ok for r in batch.records)
-                    tokens = sum(r.tokens for r in batch.records)
-                    progress.set_postfix_str(
-                        f"{name} c={c}: {tokens / batch.wall_s:.1f} tok/s" + (f", {failed} failed" if failed else "")
-                    )
-                    progress.update()
+                if not paired:
+                    for name in order:
+                        await one(name, requests, c)
+                    continue
+                before = await one(BASELINE, requests, c)
+                for start in range(0, len(order), cfg.baseline_every):
+                    bracketed = [await one(name, requests, c) for name in order[start : start + cfg.baseline_every]]
+                    after = await one(BASELINE, requests, c)
+                    for batch in bracketed:
+                        batch.before, batch.after = before, after
+                    before = after
     return results, alone
 
 

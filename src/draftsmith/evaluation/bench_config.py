@@ -47,6 +47,12 @@ class BenchConfig:
         rounds: repetitions (interleaved across methods); throughput is the median over rounds. One value for
             every level, or one per level in ascending order of concurrency (a short batch at high concurrency
             is noisier than a long one at c = 1 and costs less to repeat: ``rounds_at``).
+        baseline_every: the no-speculation server's batches interleaved with the others (paired measurement):
+            in each round at each level, one plain batch first and one more after every ``baseline_every`` batches
+            of the other servers; each such batch's speedup is its tokens/s ÷ the geometric mean of the plain
+            batches just before and after it, so a shared machine's slow drift cancels. 1 (default) brackets
+            every batch (plain runs about as many batches as all the others together); 0: plain runs once per
+            round in the rotation, and a batch is compared with plain's batch of the same round.
         threads: ``torch.set_num_threads`` for the whole run. dtype, device: of the in-process target.
         max_model_len: the in-process engines' limit (memory plan). hf_peer: also run HF assisted generation.
         out: directory for report.json, table.md, bench.png.
@@ -66,6 +72,7 @@ class BenchConfig:
     max_tokens: int = 64
     concurrency: tuple[int, ...] = (1,)
     rounds: "int | tuple[int, ...]" = 3
+    baseline_every: int = 1
     threads: int = 2
     dtype: str = "float32"
     device: str = "cpu"
@@ -88,6 +95,11 @@ class BenchConfig:
                 f"{list(self.concurrency)}, ascending)"
             )
         self.rounds = rounds[0] if len(rounds) == 1 else tuple(rounds)
+        if isinstance(self.baseline_every, bool) or not isinstance(self.baseline_every, int) or self.baseline_every < 0:
+            raise ValueError(
+                f"baseline_every {self.baseline_every!r}: pass an integer >= 0 (1: a plain batch between every two "
+                f"batches; 0: one plain batch per round)"
+            )
         if self.tree is not None:
             self.tree = str(TreeShape.parse(self.tree))  # refuses a bad shape now
 
@@ -285,6 +297,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         default=[d.rounds],
         help="repetitions per concurrency level: one value, or one per level in ascending order (e.g. 2 5 4 "
         "with --concurrency 1 8 32)",
+    )
+    p.add_argument(
+        "--baseline-every",
+        type=arg.int_at_least(0),
+        default=d.baseline_every,
+        help="a no-speculation batch after every N batches of the other servers (paired speedups; default 1: "
+        "every batch between two plain ones); 0: one plain batch per round",
     )
     p.add_argument("--threads", type=arg.positive_int, default=d.threads)
     p.add_argument("--dtype", type=arg.dtype, default=d.dtype, help=", ".join(arg.DTYPE_NAMES))
