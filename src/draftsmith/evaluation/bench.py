@@ -15,7 +15,9 @@ Steps:
      ``max_waiting`` 1024, as ``draftsmith serve``): above 64 in flight, requests wait in its queue.
      Before loading, the memory plan (``serve/memory.py``) of every method must fit.
   3. Warm-up: a few short requests per server. Then ``rounds`` rounds; a round runs, for each concurrency c
-     (ascending), one batch on each server in turn (the server order rotates per round). A batch at c sends
+     (ascending), one batch on each server in turn (the server order rotates per round), and the
+     no-speculation server's batches between them (``baseline_every``: one first, then one after every N
+     other batches, so each batch is bracketed by plain batches run just before and after). A batch at c sends
      ``max(num_prompts, c)`` requests, request i being prompt ``i mod num_prompts``, with at most c in
      flight (a semaphore over streamed ``/v1/completions``, temperature 0, ``stream_options.include_usage``):
      so c requests start together even when c > num_prompts; in-flight count falls to 0 as the batch drains.
@@ -37,8 +39,9 @@ Steps:
      assisted generation with ``num_assistant_tokens=k``, ``num_assistant_tokens_schedule="constant"``,
      ``assistant_confidence_threshold=0`` on the draft's generation_config. TTFT/TPOT come from a streamer;
      its τ is tokens per target forward (HF does not count drafts).
-  6. Verdict: at each c, speedup = median over rounds of (method tokens/s / no-speculation tokens/s at the
-     same c in the same round); per method, the verdict names the concurrencies where the speedup is below
+  6. Verdict: at each c, speedup = median over rounds of (method tokens/s / the geometric mean of the
+     bracketing no-speculation batches' tokens/s; unpaired: no-speculation's batch at the same c in the same
+     round); per method, the verdict names the concurrencies where the speedup is below
      1.0 ("not worth enabling at c=16, 32") or says it pays at every measured concurrency (acceptance alone
      is not the verdict). HF peers are compared with HF plain generate.
 Timings use ``torch.set_num_threads(threads)``; numbers are medians because a shared machine is noisy. The
