@@ -325,9 +325,10 @@ def test_rows_sharing_rates_are_priced_as_each_alone():
 
 def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
     """The decoder reports each step's seconds emitting its tokens (a callback taking 10 ms per token here) and the
-    seconds between steps (None after an idle spell); the policy prices the first per token and the second per
-    step. Time paid per step favours the k that emits more tokens per step (a gain too small to draft on the
-    forwards alone drafts once each step also pays 11 ms between steps); time paid per token does not."""
+    seconds between steps (None after an idle spell); the policy prices the second per step and fits the first
+    per chunk and per token. Time paid per step or per chunk favours the k that emits more tokens per step (a gain
+    too small to draft on the forwards alone drafts once each step also pays 11 ms between steps); time paid per
+    token does not."""
     import time
 
     from conftest import make_tiny_llama, make_word_tokenizer
@@ -376,8 +377,18 @@ def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
         per_step.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.020, 0.0, 1)
     assert per_step.between_s == pytest.approx(0.011)  # capped at the step's own seconds
     assert per_step.choose([(None, 1)]).k == 1  # 1.18 / (23.5 / 22) = 1.10x
-    per_token = marginal()
-    for _ in range(100):
-        per_token.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.0, 0.011, 1)
-    assert per_token.emit_s_per_token == pytest.approx(0.011)
-    assert per_token.choose([(None, 1)]).k == 0  # 1.18 / ((12.5 + 1.18 * 11) / 22) = 1.02x: plain
+    plain_only = marginal()
+    for _ in range(100):  # one token per chunk: the two parts cannot be told apart, so it is priced per chunk
+        plain_only.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.0, 0.011, 1)
+    assert plain_only.emission.per_chunk == pytest.approx(0.011) and plain_only.emission.per_token == 0.0
+    assert plain_only.choose([(None, 1)]).k == 1  # as per step: 1.10x
+    per_token, per_chunk = marginal(), marginal()
+    for i in range(100):  # chunks of 1, 2, 3 tokens: 3 ms a token, or 8 ms a chunk and 0.5 ms a token
+        t = 1 + i % 3
+        per_token.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.0, 0.003 * t, t)
+        per_chunk.observe_step(1, 1, 0, 0, 0.011, 0.0, 0.0, 0, 0.0, 0.008 + 0.0005 * t, t)
+    assert per_token.emission.per_token == pytest.approx(0.003)
+    assert per_token.emission.per_chunk == pytest.approx(0.0, abs=1e-9)
+    assert per_chunk.emission.per_chunk == pytest.approx(0.008) and per_chunk.emission.per_token == pytest.approx(5e-4)
+    assert per_token.choose([(None, 1)]).k == 0  # 1.18 / ((12.5 + 1.18 * 3) / 14) = 1.03x: plain
+    assert per_chunk.choose([(None, 1)]).k == 1  # 1.18 / ((12.5 + 8 + 1.18 * 0.5) / 19.5) = 1.09x

@@ -377,6 +377,8 @@ def test_auto_through_the_engine(served, name):
     # the profile's first drafting step started every row's drafter: the policy prices a start before any is served
     assert engine.policy.cost.start_s_per_position > 0
     assert "draftsmith:cost_model_start_seconds_per_position" in metrics
+    emit = [line for line in metrics.splitlines() if line.startswith('draftsmith:adaptive_overhead_seconds{part="emit')]
+    assert len(emit) == 2 and float(emit[0].split()[-1]) > 0  # measured live: the engine has emitted tokens
     measured = costs.profile_costs
     try:
         costs.profile_costs = None  # a second engine must read the cache, not measure

@@ -66,13 +66,15 @@ none (its drafter has not read them yet).
 Every step also pays for what the decoder does outside its verify forward, drafts and accepts, which the profile
 cannot see, so the policy measures it: the time between two steps (``between_s``, an exponential average, prefill
 excluded and each capped at that step's own seconds: the scheduler, the HTTP threads holding the GIL) is paid once
-per step, whatever k; emitting the tokens (``emit_s_per_token``: the stop rules and the requests' callbacks, a
-server's detokenizing, which reads its text token by token) is paid per token emitted. Speculation pays the first
-once for several tokens and the second for each: behind a server at concurrency 1 on the reference target a step
+per step, whatever k; emitting the tokens (``EmissionCost``: a server's hand-off of each row's chunk to the thread
+that streams it, then the stop rules and detokenizing per token) is paid per chunk (one per row) and per token,
+both parts fitted online. Speculation pays the first and the per-chunk part once for several tokens, the per-token
+part for each: behind a server at concurrency 1 on the reference target a step
 spends ~2 ms outside its forward (plain TPOT 8.9 ms against a profiled forward of 6.5-7 ms), and leaving it out
 made drafting look less worth than it is (DFlash on code-complete at c = 1: auto 0.86x plain against 1.04x at
-k = 3; with it, 1.08x against 1.10x); counting all of it per step (at c = 8 most of it is 8 requests'
-detokenizing, per token) made drafting look more worth than it is there (0.85-0.87x in three cells).
+k = 3; with it, 1.08x against 1.10x). Pricing the emission per token instead overcharged every drafting option
+(EAGLE-3, code-complete, c = 1: auto drafted 2.7 a step, not 4.4); timing each chunk showed its fixed part dominates
+(``EmissionCost``).
 
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
@@ -105,7 +107,53 @@ CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
 SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
 SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
 START_WEIGHT = 0.2  #: weight of one measured drafter start in ``start_s_per_position``
-OVERHEAD_WEIGHT = 0.05  #: weight of one step's measurement in ``between_s`` and ``emit_s_per_token``
+OVERHEAD_WEIGHT = 0.05  #: weight of one step's measurement in ``between_s`` and the emission fit
+COLLINEAR = 1e-3  #: below this 1 - cos^2 of (chunks, tokens) over the steps seen, emission is priced per chunk
+
+
+class EmissionCost:
+    """Seconds a step spends emitting: ``per_chunk`` x rows + ``per_token`` x tokens, fitted online.
+
+    A step emits one chunk per row (its accepted tokens plus the target's); a chunk costs a fixed part (a server
+    hands it to its event loop, waking the thread that streams it) and a part per token (the stop rules and
+    detokenizing read its tokens one by one). Measured behind the in-process server on the reference target
+    (ngram, k = 5, one chunk's seconds against its tokens, 2-core AMD EPYC): about 650 us + 10 us per token at
+    c = 1, 210 us + 29 us per token at c = 8, so pricing it all per token overcharged drafting several-fold.
+
+    The fit is least squares over the steps seen, each weighted ``OVERHEAD_WEIGHT`` against the decayed past
+    (exponentially weighted sums of chunks^2, chunks x tokens, tokens^2, chunks x seconds, tokens x seconds),
+    both parts >= 0. While every chunk held one token (plain decoding) the two parts cannot be told apart
+    (``COLLINEAR``) and all of it is priced per chunk, as measured above.
+    """
+
+    def __init__(self):
+        self.sums = [0.0] * 5  # cc, ct, tt, ce, te
+        self.per_chunk = self.per_token = 0.0  #: fitted seconds
+        self.seen = False
+
+    def observe(self, chunks: int, tokens: int, seconds: float) -> None:
+        """One step: ``chunks`` rows emitted ``tokens`` tokens in ``seconds``; refits both parts."""
+        if chunks <= 0 or tokens <= 0 or seconds < 0:
+            return
+        w = OVERHEAD_WEIGHT if self.seen else 1.0
+        point = (chunks * chunks, chunks * tokens, tokens * tokens, chunks * seconds, tokens * seconds)
+        self.sums = [(1 - w) * old + w * new for old, new in zip(self.sums, point)]
+        self.seen = True
+        cc, ct, tt, ce, te = self.sums
+        det = cc * tt - ct * ct
+        if det <= COLLINEAR * cc * tt:
+            self.per_chunk, self.per_token = ce / cc, 0.0
+            return
+        a, b = (tt * ce - ct * te) / det, (cc * te - ct * ce) / det
+        if a < 0:
+            a, b = 0.0, te / tt
+        elif b < 0:
+            a, b = ce / cc, 0.0
+        self.per_chunk, self.per_token = a, b
+
+    def seconds(self, chunks: float, tokens: float) -> float:
+        """Modelled seconds of emitting ``tokens`` tokens in ``chunks`` chunks."""
+        return self.per_chunk * chunks + self.per_token * tokens
 
 
 def _interp(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
@@ -299,8 +347,8 @@ class AdaptivePolicy:
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
         self.start_s_per_position = cost.start_s_per_position  #: seconds of a drafter start per context position
         self.between_s = 0.0  #: measured seconds between two steps (module docstring)
-        self.emit_s_per_token = 0.0  #: measured seconds of emitting one token (module docstring)
-        self._between_seen = self._emit_seen = False
+        self.emission = EmissionCost()  #: measured seconds of emitting chunks and tokens (module docstring)
+        self._between_seen = False
 
     def new_request(self) -> AcceptanceEstimate:
         """A fresh estimate for one request (its rates start at the engine's)."""
@@ -346,7 +394,7 @@ class AdaptivePolicy:
                 tokens += count * e
                 if start and d > 0:  # its rows' starts, spread over the tokens each may still emit
                     starts += start * self.start_s_per_position * min(1.0, e / max(cap, 1))
-            seconds = self._seconds(rows, k, batch_size) + (starts + self.emit_s_per_token * tokens) * scale
+            seconds = self._seconds(rows, k, batch_size) + (starts + self.emission.seconds(n, tokens)) * scale
             out.append(tokens * scale / max(seconds, 1e-9))
         return out
 
@@ -437,10 +485,8 @@ class AdaptivePolicy:
         if between_s is not None and between_s >= 0:  # a pause longer than the step itself is no step's cost
             w = OVERHEAD_WEIGHT if self._between_seen else 1.0
             self.between_s, self._between_seen = (1 - w) * self.between_s + w * min(between_s, own), True
-        if emitted > 0 and emit_s >= 0:
-            w = OVERHEAD_WEIGHT if self._emit_seen else 1.0
-            per_token = min(emit_s, own) / emitted
-            self.emit_s_per_token, self._emit_seen = (1 - w) * self.emit_s_per_token + w * per_token, True
+        if emitted > 0 and emit_s >= 0:  # one chunk per row
+            self.emission.observe(batch_size, emitted, min(emit_s, own))
         if start_positions > 0:
             per_position = start_s / start_positions
             w = START_WEIGHT if self.start_s_per_position > 0 else 1.0  # the first measurement, when none was profiled

@@ -152,7 +152,7 @@ class Engine:
             self.k, model_name=model_name, max_model_len=self.max_model_len, speculative=self.spec is not None
         )
         if self.policy is not None:
-            self.metrics.set_cost_model(self.policy.cost, self.k)
+            self.metrics.set_cost_model(self.policy.cost, self.k, self.policy)
         decoder = BatchDecoder(
             self.target,
             self.drafter.new_batch_proposer() if self.drafter is not None else None,

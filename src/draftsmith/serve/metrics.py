@@ -195,10 +195,22 @@ class EngineMetrics:
         )
         self.chosen_k: Histogram | None = None  # adaptive speculation only (set_cost_model)
 
-    def set_cost_model(self, cost, k_max: int) -> None:
-        """Expose adaptive speculation's measured ``core.adaptive.CostModel`` (gauges) and create the histogram of
-        chosen k (buckets 0..k_max)."""
+    def set_cost_model(self, cost, k_max: int, policy=None) -> None:
+        """Expose adaptive speculation's measured ``core.adaptive.CostModel`` (gauges), with ``policy`` (a
+        ``core.adaptive.AdaptivePolicy``) the costs it measures live outside the decode work, and create the
+        histogram of chosen k (buckets 0..k_max)."""
         r = self.registry
+        if policy is not None:
+            live = Gauge(
+                PREFIX + "adaptive_overhead_seconds",
+                "Seconds adaptive speculation prices outside the decode work, measured live: between two steps "
+                "(per step), emitting a row's chunk (per chunk) and each token (per token).",
+                ["part"],
+                registry=r,
+            )
+            live.labels(part="between_steps").set_function(lambda: policy.between_s)
+            live.labels(part="emit_per_chunk").set_function(lambda: policy.emission.per_chunk)
+            live.labels(part="emit_per_token").set_function(lambda: policy.emission.per_token)
         verify = Gauge(
             PREFIX + "cost_model_verify_seconds",
             "Measured seconds of one verify forward over batch_size rows of tokens_per_row tokens.",
