@@ -649,3 +649,59 @@ def test_ngram_server_returns_exactly_max_tokens(ngram_client, max_tokens):
     body = complete(ngram_client, max_tokens=max_tokens)
     assert body["usage"]["completion_tokens"] == max_tokens
     assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_a_steps_text_leaves_at_its_end_one_wake_up_per_loop():
+    """``Handoff``: what the scheduler's thread sends is held until the step's flush and then reaches each loop
+    in order through one ``call_soon_threadsafe`` per loop; from another thread it goes at once; a closed loop
+    drops what was held for it."""
+    import asyncio
+    import threading
+
+    from draftsmith.serve.scheduler import Handoff
+
+    class Loop:
+        def __init__(self):
+            self.calls, self.closed = [], False
+
+        def call_soon_threadsafe(self, fn, *args):
+            if self.closed:
+                raise RuntimeError("Event loop is closed")
+            self.calls.append((fn, args))
+
+        def run(self):
+            for fn, args in self.calls:
+                fn(*args)
+
+    handoff, got = Handoff(), {"a": [], "b": []}
+    a, b, gone = Loop(), Loop(), Loop()
+    to_a, to_b, to_gone = (
+        handoff.to_loop(a, got["a"].append),
+        handoff.to_loop(b, got["b"].append),
+        handoff.to_loop(gone, print),
+    )
+    handoff.thread_id = threading.get_ident()  # this thread plays the scheduler's
+    for piece in ("x", "y", "z"):
+        to_a(piece)
+    to_b("1")
+    to_gone("lost")
+    gone.closed = True
+    assert a.calls == [] and b.calls == []  # held during the step
+    handoff.flush()
+    assert len(a.calls) == 1 and len(b.calls) == 1
+    a.run(), b.run()
+    assert got == {"a": ["x", "y", "z"], "b": ["1"]}
+    handoff.flush()
+    assert len(a.calls) == 1  # nothing left to send
+    other = threading.Thread(target=lambda: to_a("w"))  # the request's own thread (its text's end)
+    other.start(), other.join()
+    assert len(a.calls) == 2 and a.calls[1][1] == ("w",)
+    loop = asyncio.new_event_loop()  # and a real loop runs what arrives
+    try:
+        seen = []
+        handoff.to_loop(loop, seen.append)("v")
+        handoff.flush()
+        loop.run_until_complete(asyncio.sleep(0))
+        assert seen == ["v"]
+    finally:
+        loop.close()

@@ -166,6 +166,11 @@ class Engine:
             decoder, self.metrics, max_waiting=max_waiting, kv_capacity=max_num_seqs * self.max_model_len
         )
 
+    def to_loop(self, loop, fn):
+        """An ``on_text`` for ``generate`` that sends each piece to ``fn`` on the asyncio ``loop``: what a step
+        emits leaves at the end of the step, one wake-up of the loop per step (``serve.scheduler.Handoff``)."""
+        return self.scheduler.handoff.to_loop(loop, fn)
+
     def close(self) -> None:
         """Stop the scheduler thread after its current step; requests still queued or running end with
         ``EngineClosed`` (the server answers 503). The engine serves no more; calling it again does nothing."""

@@ -13,6 +13,11 @@ queued for minutes. A cancelled request (its ``cancel`` event set: the client we
 step, waiting or running. Callbacks of a sequence (tokens, text, stops) run on the scheduler thread. A step that
 raises fails every request the scheduler holds (each ends with that error; none is left waiting). ``close()``
 (the server shutting down) ends what is queued or running with ``EngineClosed`` (HTTP 503).
+
+What a step's callbacks send to a server's event loops (``Handoff``) leaves once the step is over, one wake-up per
+loop, before any request that ended in the step is told so: a wake-up per chunk, in the middle of the step, let the
+loop's thread take the GIL from the decoder at every row (on the reference target, a median 0.28-0.46 ms of each
+chunk's emission, 1-6 ms a step at c = 8-32).
 """
 
 from __future__ import annotations
@@ -39,6 +44,43 @@ class RequestCancelled(Exception):
 class EngineClosed(RuntimeError):
     """The scheduler was closed (the server is shutting down): the request was refused, or ended unfinished
     (HTTP 503)."""
+
+
+def _run_all(items: list) -> None:
+    for fn, value in items:
+        fn(value)
+
+
+class Handoff:
+    """Values the scheduler's thread sends to asyncio event loops, held until the end of the step and then sent
+    with one ``call_soon_threadsafe`` per loop (module docstring); from any other thread a value goes at once.
+    Values for one loop keep their order, and a step's values leave before its ended requests are told.
+    """
+
+    def __init__(self):
+        self.thread_id: int | None = None  #: the scheduler thread's ident (set when it starts)
+        self._pending: dict = {}  # loop -> [(fn, value)], touched by the scheduler thread only
+
+    def to_loop(self, loop, fn):
+        """A callable sending its one argument to ``fn`` on ``loop`` (``fn`` runs on the loop's thread)."""
+
+        def send(value) -> None:
+            if threading.get_ident() == self.thread_id:
+                self._pending.setdefault(loop, []).append((fn, value))
+            else:
+                loop.call_soon_threadsafe(fn, value)
+
+        return send
+
+    def flush(self) -> None:
+        """Send what the step held (the scheduler thread, after each step). A loop already closed (its server
+        gone) drops its values."""
+        pending, self._pending = self._pending, {}
+        for loop, items in pending.items():
+            try:
+                loop.call_soon_threadsafe(_run_all, items)
+            except RuntimeError:  # the loop is closed
+                logger.debug("dropped %d values for a closed event loop", len(items))
 
 
 class Job:
@@ -83,6 +125,7 @@ class Scheduler:
         self._wake = threading.Condition()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self.handoff = Handoff()  #: what callbacks send to event loops leaves at the end of each step
 
     @property
     def num_waiting(self) -> int:
@@ -141,6 +184,7 @@ class Scheduler:
 
     def _loop(self) -> None:
         decoder = self.decoder
+        self.handoff.thread_id = threading.get_ident()
         while True:
             with self._wake:
                 while not self._closed and not self._inbox and not decoder.has_work:
@@ -169,6 +213,7 @@ class Scheduler:
                     if not job.seq.done:
                         job.seq.error, job.seq.done = e, True
                 ended = [job.seq for job in self._jobs.values()]
+            self.handoff.flush()  # before any ended request is told: its text arrives before its end
             for seq in ended:
                 job = self._jobs.pop(seq.key, None)
                 if job is not None:

@@ -735,7 +735,7 @@ def create_app(
             loop = asyncio.get_running_loop()
             queue: asyncio.Queue = asyncio.Queue()
             cancel = threading.Event()
-            on_text = lambda delta: loop.call_soon_threadsafe(queue.put_nowait, delta)  # noqa: E731
+            on_text = engine.to_loop(loop, queue.put_nowait)  # a step's text leaves at its end
             job = asyncio.ensure_future(run(prompt_ids, cfg, stop, on_text, cancel))
 
             def done(task):
