@@ -118,7 +118,9 @@ class EmissionCost:
     hands it to its event loop, waking the thread that streams it) and a part per token (the stop rules and
     detokenizing read its tokens one by one). Measured behind the in-process server on the reference target
     (ngram, k = 5, one chunk's seconds against its tokens, 2-core AMD EPYC): about 650 us + 10 us per token at
-    c = 1, 210 us + 29 us per token at c = 8, so pricing it all per token overcharged drafting several-fold.
+    c = 1 and 210 us + 29 us per token at c = 8 while each chunk woke the server's event loop at once, 90 us + 13 us
+    and 29 us + 11 us since a step's text leaves at its end (``serve.scheduler.Handoff``): pricing it all per token
+    overcharged drafting several-fold.
 
     The fit is least squares over the steps seen, each weighted ``OVERHEAD_WEIGHT`` against the decayed past
     (exponentially weighted sums of chunks^2, chunks x tokens, tokens^2, chunks x seconds, tokens x seconds),
