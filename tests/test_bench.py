@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 from draftsmith.evaluation.bench import (
+    SCHEDULER_GAUGES,
     BatchResult,
     RequestRecord,
     add_verdicts,
@@ -260,9 +261,11 @@ def test_parse_metrics():
 def test_run_batch_counts_failures_without_raising():
     """A server answering 429, an error event, a stream cut before [DONE], and one good stream."""
     app = FastAPI()
+    asked = []  # each scrape's name[] query
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        asked.append(request.query_params.getlist("name[]"))
         return PlainTextResponse("draftsmith:num_requests_running 2.0\ndraftsmith:num_requests_waiting 0.0\n")
 
     def sse(*events):
@@ -283,6 +286,9 @@ def test_run_batch_counts_failures_without_raising():
     with BackgroundServer(app) as server:
         batch = asyncio.run(run_batch(server.url, "m", [[1], [2], [3], [4]], 4, 2))
     assert batch.concurrency == 2 and batch.peaks == {"running": 2.0, "waiting": 0.0}
+    # the counters' scrapes before and after read everything; the polls in between ask for the two gauges only
+    assert asked[0] == asked[-1] == [] and len(asked) >= 3
+    assert all(names == list(SCHEDULER_GAUGES.values()) for names in asked[1:-1])
     assert [r.ok for r in batch.records] == [False, False, False, True], [r.error for r in batch.records]
     assert "429" in batch.records[0].error and "boom" in batch.records[1].error
     assert "[DONE]" in batch.records[2].error

@@ -286,6 +286,17 @@ def test_ngram_greedy_equals_plain_and_metrics_grow(plain_client, ngram_client):
     assert after["draftsmith:prompt_tokens_total"] > before["draftsmith:prompt_tokens_total"]
 
 
+def test_metrics_name_query_renders_those_samples_only(ngram_client):
+    """``/metrics?name[]=...`` (prometheus_client's query) renders the named samples only: what a poller asks for
+    (the bench's gauge watcher); a plain scrape has them among every other series."""
+    full = scrape(ngram_client)
+    names = ["draftsmith:num_requests_running", "draftsmith:spec_decode_num_drafts_total"]
+    r = ngram_client.get("/metrics", params={"name[]": names})
+    assert r.status_code == 200
+    samples = [line.split(" ")[0] for line in r.text.splitlines() if line and not line.startswith("#")]
+    assert sorted(samples) == sorted(names) and all(name in full for name in names) and len(full) > 10 * len(names)
+
+
 def test_engine_stats_match_generate(target, tokenizer):
     """The engine's counted stats are the loop's own SpecStats."""
     from draftsmith.core.generate import generate_speculative

@@ -926,8 +926,9 @@ def create_app(
         return {"version": __version__}
 
     @app.get("/metrics")
-    async def metrics():
-        return Response(engine.metrics.render(), media_type=engine.metrics.content_type)
+    async def metrics(request: Request):
+        names = request.query_params.getlist("name[]")  # only these samples (prometheus_client's query)
+        return Response(engine.metrics.render(names), media_type=engine.metrics.content_type)
 
     return app
 
