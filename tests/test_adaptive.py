@@ -392,3 +392,62 @@ def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
     assert per_chunk.emission.per_chunk == pytest.approx(0.008) and per_chunk.emission.per_token == pytest.approx(5e-4)
     assert per_token.choose([(None, 1)]).k == 0  # 1.18 / ((12.5 + 1.18 * 3) / 14) = 1.03x: plain
     assert per_chunk.choose([(None, 1)]).k == 1  # 1.18 / ((12.5 + 8 + 1.18 * 0.5) / 19.5) = 1.09x
+
+
+def test_a_draft_the_drafter_did_not_make_counts_as_rejected(tmp_path):
+    """The decoder reports the depth a row ASKED for, not the depth its drafter returned: a drafter returning one
+    draft when asked for three (an n-gram match ending early) emits at most two tokens a step, and the estimate
+    must count depth 2 as tried and rejected, not as never tried (then it would keep its prior, and the choice
+    would price tokens the drafter never drafts). The row's output stays plain greedy's."""
+    import torch
+
+    from conftest import make_tiny_llama, make_word_tokenizer
+    from draftsmith import drafters
+    from draftsmith.core.batch import BatchDecoder, BatchSequence
+    from draftsmith.core.generate import GenerationConfig, generate_plain
+    from draftsmith.core.proposer import Proposal
+    from draftsmith.core.target import TargetModel
+
+    class Always3:
+        def __init__(self):
+            self.observed = []
+
+        def new_request(self):
+            return None
+
+        def choose(self, rows, batch_size=None):
+            return Choice(3, 0.0)
+
+        def observe(self, request, num_proposed, num_accepted):
+            self.observed.append((num_proposed, num_accepted))
+
+        def observe_step(self, *args):
+            return None
+
+    class OneDraft:  # the n-gram batch proposer, always drafting one token (0) however many are asked for
+        def __init__(self, inner):
+            self.inner, self.drafted = inner, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def propose(self, keys, ks):
+            self.drafted += [1] * len(keys)
+            return [Proposal(torch.tensor([0]), None) for _ in keys]
+
+    model, tok = make_tiny_llama(seed=3), make_word_tokenizer(96)
+    ngram = drafters.get("ngram")
+    proposer = OneDraft(ngram.load(ngram.example(model, tok, tmp_path), model, tok).new_batch_proposer())
+    policy = Always3()
+    target = TargetModel(model, tok)
+    cfg = GenerationConfig(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    decoder = BatchDecoder(target, proposer, 3, policy=policy)
+    seq = decoder.add(BatchSequence(prompt, cfg))
+    decoder.run()
+    assert seq.result.tokens == generate_plain(target, prompt, cfg).tokens
+    asked = [a for a, _ in policy.observed if a > 0]  # the last step has no drafts left to ask for
+    assert len(asked) == len(proposer.drafted) and asked[0] == 3 and min(asked) >= 1  # 3 asked (fewer at the end)
+    adaptive = AdaptivePolicy(flat_cost(), 3)
+    adaptive.observe(None, 3, 1)  # one draft made and accepted, the second never made
+    assert adaptive.engine.tried[:3] == [1.0, 1.0, 0.0] and adaptive.engine.accepted[:2] == [1.0, 0.0]

@@ -37,8 +37,11 @@ of this step's drafts, so the output keeps the target's law: any k drafted from 
 ``core.verify`` is lossless (the contract tests run every drafter with ``auto``).
 
 Acceptance estimates (``AcceptanceEstimate``) are exponentially decayed counts per position: a verify step that
-drafted k' tokens along its path and accepted n counts positions 1..n as accepted and position n + 1 (when
-n < k') as rejected (vLLM's per-position acceptance; a tree counts its accepted path's depth). A request's rates
+asked for k' tokens along its path and accepted n counts positions 1..n as accepted and position n + 1 (when
+n < k') as rejected (vLLM's per-position acceptance; a tree counts its accepted path's depth). The depth asked for,
+not the depth drafted: a drafter may return fewer (an n-gram match that ends early, or none), and E(k) prices
+what asking for k emits, so a draft not made counts as a rejected one (counted as drafted, an n-gram head's rates
+read the few long matches as its usual case). A request's rates
 are shrunk towards the engine's (``AdaptivePolicy.rates``), whose own prior for position i is its estimate at
 i - 1 (a position never tried is assumed as good as the one before it), or, for a trained head whose export
 records its held-out acceptance per position (``draftsmith.json`` ``eval``), that acceptance, the mean over its
@@ -517,7 +520,8 @@ class AdaptivePolicy:
             self.draft_scale = update(self.draft_scale, draft_s, modelled)
 
     def observe(self, request: AcceptanceEstimate | None, num_proposed: int, num_accepted: int) -> None:
-        """One row's verify outcome (its path's depth drafted, drafts accepted) updates its and the engine's rates."""
+        """One row's verify outcome (the depth it asked for along its path, drafts accepted) updates its and the
+        engine's rates (module docstring)."""
         if num_proposed <= 0:
             return
         self.engine.observe(num_proposed, num_accepted)

@@ -107,7 +107,9 @@ class StepPolicy(Protocol):
         waiting, at most ``max_num_seqs``)."""
 
     def observe(self, request: object, num_proposed: int, num_accepted: int) -> None:
-        """One row's verify outcome: the depth it drafted and the drafts accepted."""
+        """One row's verify outcome: the depth it asked its drafter for (0: a plain step) and the drafts accepted.
+        The depth asked, not the depth drafted: the choice prices E(k) tokens for asking k, so a draft the drafter
+        did not make (an n-gram's match shorter than k, or none) must count as a rejection there."""
 
     def observe_step(
         self,
@@ -533,9 +535,8 @@ class BatchDecoder:
                 seq.stats.record_tree(p.tokens.numel(), rank)
             elif seq.stats is not None:
                 seq.stats.record(p.tokens.numel(), n)
-            if self.policy is not None:
-                depth = int(depths(p.parents).max()) if p.is_tree and p.tokens.numel() else p.tokens.numel()
-                self.policy.observe(seq.estimate, depth, n)
+            if self.policy is not None:  # the depth ASKED for: a draft not made (an n-gram match ending early)
+                self.policy.observe(seq.estimate, k, n)  # emits nothing, as a rejected one (``StepPolicy.observe``)
                 seq.stats.record_choice(k)
             if seq.on_step is not None:
                 draft_s = (t1 - t0) + (t3 - t2)
