@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from draftsmith.core.adaptive import (
     PROBE_AFTER,
@@ -451,3 +452,51 @@ def test_a_draft_the_drafter_did_not_make_counts_as_rejected(tmp_path):
     adaptive = AdaptivePolicy(flat_cost(), 3)
     adaptive.observe(None, 3, 1)  # one draft made and accepted, the second never made
     assert adaptive.engine.tried[:3] == [1.0, 1.0, 0.0] and adaptive.engine.accepted[:2] == [1.0, 0.0]
+
+
+def test_an_ngram_confidence_is_its_match_length_known_for_every_row(tmp_path):
+    """N-gram's confidence is its suffix match's length over prompt_lookup_max (0: it would draft nothing), and
+    its catch-up is free, so with a policy the decoder keeps every row current: each row's confidence reaches the
+    choice at every step after its first, also for rows that never drafted."""
+    from conftest import make_tiny_llama, make_word_tokenizer
+    from draftsmith import drafters
+    from draftsmith.core.batch import BatchDecoder, BatchSequence
+    from draftsmith.core.generate import GenerationConfig, generate_plain
+    from draftsmith.core.target import TargetModel
+    from draftsmith.drafters.ngram.proposer import NgramProposer
+
+    ngram = NgramProposer(1, 4)
+    ngram.start(torch.tensor([1, 2, 3, 9, 1, 2]), 3)  # suffix 1 2 3 repeats: a 3-gram match
+    assert ngram.confidence() == 0.75 and ngram.propose(2).tokens.tolist() == [9, 1]
+    ngram.start(torch.tensor([1, 2, 3]), 4)  # nothing repeats
+    assert ngram.confidence() == 0.0 and ngram.propose(2).tokens.numel() == 0
+
+    class Plain:
+        def __init__(self):
+            self.seen = []
+
+        def new_request(self):
+            return None
+
+        def choose(self, rows, batch_size=None):
+            self.seen.append([row[2] for row in rows])
+            return Choice(0, 0.0)
+
+        def observe(self, *args):
+            return None
+
+        def observe_step(self, *args):
+            return None
+
+    model, tok = make_tiny_llama(seed=3), make_word_tokenizer(96)
+    loaded = drafters.get("ngram")
+    proposer = loaded.load(loaded.example(model, tok, tmp_path), model, tok).new_batch_proposer()
+    assert proposer.free_catch_up
+    policy, target = Plain(), TargetModel(model, tok)
+    decoder = BatchDecoder(target, proposer, 3, policy=policy)
+    cfg = GenerationConfig(max_new_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 5, 6], [8, 9, 10]]
+    seqs = [decoder.add(BatchSequence(p, cfg)) for p in prompts]
+    decoder.run()
+    assert [s.result.tokens for s in seqs] == [generate_plain(target, p, cfg).tokens for p in prompts]
+    assert len(policy.seen) == 5 and all(c is not None and 0.0 <= c <= 1.0 for step in policy.seen for c in step)

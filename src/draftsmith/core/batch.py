@@ -37,7 +37,8 @@ states its drafter will read (aux ``[T, 3H]`` for EAGLE-3 and DFlash, final ``[T
 where an eager start would hold the drafter's own cache of those positions instead (for a one-layer EAGLE-3 head,
 2/3 of that). With a policy,
 a row that drafted in its last step is brought up to date before the choice, so that the drafter's confidence in
-its next draft (``BatchProposer.confidence``) can inform it.
+its next draft (``BatchProposer.confidence``) can inform it; with a proposer whose catch-up is free
+(``free_catch_up``: n-gram lookup, no forward) every row is, started or not.
 
 With a ``tree`` (``core.tree.TreeShape``) each running row drafts a tree instead (``BatchProposer.propose_tree``):
 the verify forward reads [last token_b, its nodes] with ancestor-only attention (``BatchKVCache.begin``), each row
@@ -264,6 +265,7 @@ class BatchDecoder:
         self.k = (tree.num_steps if tree is not None else k) if proposer is not None else 0
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.final_hidden = bool(proposer is not None and proposer.needs_final_hidden)
+        self.free_catch_up = bool(getattr(proposer, "free_catch_up", False))  # ``Proposer.free_catch_up``
         self.cache = BatchKVCache(target.model.config)
         self._start_s, self._start_positions = 0.0, 0  # drafter starts in the current step: seconds, positions
         self._mark: float | None = None  # when the last decode ended (None: idle since)
@@ -474,7 +476,8 @@ class BatchDecoder:
         between = None if self._mark is None else max(0.0, t0 - self._mark - self._prefill_s)
         self._prefill_s = 0.0
         if self.policy is not None:
-            self._flush([s for s in rows if s.drafted_last])  # their drafter's confidence needs its state current
+            free = self.free_catch_up  # every row current, so every row's confidence is known
+            self._flush([s for s in rows if s.drafted_last or free])  # confidence needs the drafter's state current
             confidence = self._confidence(rows)
             soon = min(self.max_num_seqs, len(rows) + len(self.waiting))  # the batch once the waiting have joined
             starts = [0 if s.started else len(s.prompt) + len(s.tokens) - 1 for s in rows]  # positions to read

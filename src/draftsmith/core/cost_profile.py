@@ -98,7 +98,8 @@ def _measure(
 ) -> tuple[list[float], float]:
     """The fastest ``read(step)`` of ``repeats`` steps (after a warm-up) at each k of ``ks``, for ``batch_size``
     rows of random context decoding together; and the seconds per context position of the drafter starts the
-    first drafting step made (every row starts there: ``core.batch``'s lazy start), 0 when none."""
+    first drafting step made (every row starts there: ``core.batch``'s lazy start; a free catch-up starts them at
+    the first step), 0 when none."""
     schedule = _Schedule()
     k_max = max(ks)
     decoder = BatchDecoder(
@@ -119,6 +120,8 @@ def _measure(
         decoder.add(BatchSequence(prompt, cfg, on_step=seen.append))
     decoder.step()  # prefill every row (and the first verify step at k = 0)
     out, start = [], 0.0
+    if decoder._start_positions:  # a free catch-up (n-gram) starts every row before the first choice
+        start = decoder._start_s / decoder._start_positions
     for k in ks:
         schedule.k = k
         samples = []

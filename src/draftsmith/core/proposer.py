@@ -123,10 +123,14 @@ class Proposer(abc.ABC):
             then refuses a target built without ``aux_layer_ids``.
         needs_final_hidden: True when ``target_step.final_hidden`` (the target's lm_head input) must be
             filled (MLP speculator); the runtime then asks every target forward for it.
+        free_catch_up: True when ``start`` and ``accept`` cost next to nothing (no forward: n-gram lookup), so
+            the batched decoder brings every row up to date before each adaptive choice and the drafter's
+            ``confidence`` is known for every row (``core.batch``); False: rows catch up lazily.
     """
 
     needs_aux_hidden: bool = False
     needs_final_hidden: bool = False
+    free_catch_up: bool = False
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, target_step) -> None:
         """Begin a sequence: context = ``prompt_ids`` ``[T]`` + ``first_token``; ``target_step`` is the
@@ -144,8 +148,10 @@ class Proposer(abc.ABC):
         layout after a chain and after a tree."""
 
     def confidence(self) -> float | None:
-        """The drafter's probability of its next draft, known before drafting (adaptive speculation reads it:
-        ``core.adaptive``); None (the default) when it has none without drafting."""
+        """The drafter's confidence in its next draft, in [0, 1], known before drafting: a head's probability of
+        its top token, an n-gram's match length. Adaptive speculation calibrates it per bin (``core.adaptive``),
+        so any score that orders drafts by their chance works; None (the default) when it has none without
+        drafting."""
         return None
 
     def propose_tree(self, shape, max_depth: int) -> Proposal:
@@ -162,11 +168,12 @@ class BatchProposer(abc.ABC):
     between steps. Lists passed to ``propose`` / ``accept`` are in batch order: entry b is row b of the step.
 
     Attributes:
-        needs_aux_hidden, needs_final_hidden: as ``Proposer``'s.
+        needs_aux_hidden, needs_final_hidden, free_catch_up: as ``Proposer``'s.
     """
 
     needs_aux_hidden: bool = False
     needs_final_hidden: bool = False
+    free_catch_up: bool = False
 
     @property
     def name(self) -> str:
@@ -214,7 +221,7 @@ class PerSequence(BatchProposer):
 
     Args:
         factory: ``Sampling -> Proposer`` (``LoadedDrafter.new_proposer``).
-        needs_aux_hidden, needs_final_hidden: what its proposers read (``Proposer`` attributes).
+        needs_aux_hidden, needs_final_hidden, free_catch_up: as its proposers' (``Proposer`` attributes).
     """
 
     def __init__(
@@ -223,26 +230,23 @@ class PerSequence(BatchProposer):
         *,
         needs_aux_hidden: bool = False,
         needs_final_hidden: bool = False,
+        free_catch_up: bool = False,
     ):
         self.factory = factory
         self.needs_aux_hidden, self.needs_final_hidden = needs_aux_hidden, needs_final_hidden
+        self.free_catch_up = free_catch_up
         self.rows: dict[int, Proposer] = {}
 
     @classmethod
     def of(cls, proposer: Proposer) -> "PerSequence":
         """An adapter serving ONE given proposer (a batch of one sequence: ``core.generate``)."""
-        return cls(
-            lambda _sampling: proposer,
-            needs_aux_hidden=proposer.needs_aux_hidden,
-            needs_final_hidden=proposer.needs_final_hidden,
-        )
+        return cls(lambda _sampling: proposer, **_reads(proposer))
 
     @classmethod
     def over(cls, factory: Callable[[Sampling], Proposer]) -> "PerSequence":
         """An adapter making one ``factory(sampling)`` proposer per row; what they read (aux / final hidden
-        states) is taken from one proposer made with the default ``Sampling``."""
-        probe = factory(Sampling())
-        return cls(factory, needs_aux_hidden=probe.needs_aux_hidden, needs_final_hidden=probe.needs_final_hidden)
+        states) and ``free_catch_up`` are taken from one proposer made with the default ``Sampling``."""
+        return cls(factory, **_reads(factory(Sampling())))
 
     @property
     def name(self) -> str:
@@ -269,3 +273,12 @@ class PerSequence(BatchProposer):
 
     def stop(self, key) -> None:
         self.rows.pop(key, None)
+
+
+def _reads(proposer: Proposer) -> dict:
+    """A proposer's ``PerSequence`` flags (what it reads, whether its catch-up is free)."""
+    return {
+        "needs_aux_hidden": proposer.needs_aux_hidden,
+        "needs_final_hidden": proposer.needs_final_hidden,
+        "free_catch_up": proposer.free_catch_up,
+    }

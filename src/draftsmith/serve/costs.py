@@ -23,7 +23,7 @@ from draftsmith.core.target import TargetModel
 
 logger = logging.getLogger(__name__)
 PROFILE_MAX_BATCH = 32  #: largest batch the profile measures; larger ones are extrapolated linearly
-COSTS_VERSION = 4  #: bump when the profile measures something else
+COSTS_VERSION = 5  #: bump when the profile measures something else
 
 
 def cache_dir() -> Path:

@@ -60,21 +60,32 @@ class NgramIndex:
             for n in range(self.min_n, min(self.max_n, end) + 1):
                 self.first.setdefault(tuple(self.tokens[end - n :]), end - n)
 
-    def continuation(self, k: int) -> list[int]:
-        """Up to ``k`` tokens after the earliest earlier occurrence of the longest repeated suffix n-gram."""
+    def match(self) -> tuple[int, int]:
+        """(n, start of the continuation) for the longest repeated suffix n-gram; (0, -1) when none repeats."""
         length = len(self.tokens)
         for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
-            if k <= 0 or n <= 0:
+            if n <= 0:
                 break
             start = self.first.get(tuple(self.tokens[length - n :]))
             if start is not None and start < length - n:  # an occurrence other than the suffix itself
-                return self.tokens[start + n : start + n + k]
-        return []
+                return n, start + n
+        return 0, -1
+
+    def continuation(self, k: int) -> list[int]:
+        """Up to ``k`` tokens after the earliest earlier occurrence of the longest repeated suffix n-gram."""
+        n, start = self.match() if k > 0 else (0, -1)
+        return self.tokens[start : start + k] if n else []
 
 
 class NgramProposer(Proposer):
     """Prompt-lookup proposer; deterministic, so ``Proposal.q`` is ``None`` (one-hot). The context is indexed
     incrementally (:class:`NgramIndex`): linear in the sequence's length.
+
+    Its ``confidence`` is the length of the suffix match its next draft would follow, over
+    ``prompt_lookup_max`` (0 when nothing matches: it would draft nothing): a longer repeated suffix is likelier
+    to go on repeating. Adaptive speculation calibrates it per bin (``core.adaptive``) and needs no probability.
+    Its accepts and start are dictionary updates (``free_catch_up``), so the batched decoder keeps every row
+    current and the score is known at each step's choice.
 
     Args:
         prompt_lookup_min: shortest suffix n-gram to match (>= 1).
@@ -97,6 +108,12 @@ class NgramProposer(Proposer):
         """Context = prompt ``[T]`` + first token."""
         self.index = NgramIndex(self.prompt_lookup_min, self.prompt_lookup_max)
         self.index.append(prompt_ids.tolist() + [int(first_token)])
+
+    free_catch_up = True
+
+    def confidence(self) -> float:
+        """The suffix match's length over ``prompt_lookup_max`` in [0, 1] (class docstring)."""
+        return self.index.match()[0] / self.prompt_lookup_max
 
     def propose(self, k: int) -> Proposal:
         """Up to ``k`` tokens found by prompt lookup; q is None."""
