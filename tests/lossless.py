@@ -234,31 +234,52 @@ def check_counters(stats: SpecStats) -> None:
     assert 0 <= stats.acceptance_rate <= 1 and 1 <= stats.acceptance_length <= 1 + stats.k
 
 
-class RandomSchedule:
-    """A step policy (``core.batch.StepPolicy``) drafting a random k in 0..k_max each step (0 half the time), from
-    its own seeded generator: a function of nothing the drafts hold, as adaptive speculation's choice must be, so
-    every output invariant holds under it; it exercises plain steps, deferred accepts and catch-up."""
+class ScriptedPolicy:
+    """A step policy (``core.batch.StepPolicy``) for tests: step i drafts ``ks[i]`` in every row (past the end, the
+    last k again; default: plain decoding throughout). It records what the decoder tells it: ``rows`` (each
+    ``choose``'s rows), ``chosen`` (each step's k), ``observed`` ((depth asked, accepted) per row and step) and
+    ``steps`` (each ``observe_step``'s arguments)."""
 
-    def __init__(self, k_max: int, seed: int = 0):
-        self.k_max, self.generator = k_max, torch.Generator().manual_seed(seed)
+    def __init__(self, ks=(0,)):
+        self.ks = list(ks)
+        self.rows: list[list] = []
         self.chosen: list[int] = []
+        self.observed: list[tuple[int, int]] = []
+        self.steps: list[tuple] = []
 
     def new_request(self):
         return None
 
+    def next_k(self) -> int:
+        """This step's k."""
+        return self.ks[min(len(self.chosen), len(self.ks) - 1)]
+
     def choose(self, rows, batch_size=None):
         from draftsmith.core.adaptive import Choice
 
-        plain = bool(torch.rand((), generator=self.generator) < 0.5)
-        k = 0 if plain else int(torch.randint(1, self.k_max + 1, (), generator=self.generator))
-        self.chosen.append(k)
-        return Choice(k, 0.0)
+        self.rows.append(list(rows))
+        self.chosen.append(self.next_k())
+        return Choice(self.chosen[-1], 0.0)
 
     def observe(self, request, num_proposed: int, num_accepted: int) -> None:
-        return None
+        self.observed.append((num_proposed, num_accepted))
 
     def observe_step(self, *args) -> None:
-        return None
+        self.steps.append(args)
+
+
+class RandomSchedule(ScriptedPolicy):
+    """A step policy drafting a random k in 0..k_max each step (0 half the time), from its own seeded generator: a
+    function of nothing the drafts hold, as adaptive speculation's choice must be, so every output invariant holds
+    under it; it exercises plain steps, deferred accepts and catch-up."""
+
+    def __init__(self, k_max: int, seed: int = 0):
+        super().__init__()
+        self.k_max, self.generator = k_max, torch.Generator().manual_seed(seed)
+
+    def next_k(self) -> int:
+        plain = bool(torch.rand((), generator=self.generator) < 0.5)
+        return 0 if plain else int(torch.randint(1, self.k_max + 1, (), generator=self.generator))
 
 
 def run_trials(

@@ -14,7 +14,6 @@ from draftsmith.core.adaptive import (
     PROBE_BUDGET,
     AcceptanceEstimate,
     AdaptivePolicy,
-    Choice,
     CostModel,
     expected_tokens,
 )
@@ -337,25 +336,10 @@ def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
     from draftsmith.core.batch import BatchDecoder, BatchSequence
     from draftsmith.core.generate import GenerationConfig
     from draftsmith.core.target import TargetModel
-
-    class Recorded:
-        def __init__(self):
-            self.steps = []
-
-        def new_request(self):
-            return None
-
-        def choose(self, rows, batch_size=None):
-            return Choice(0, 0.0)
-
-        def observe(self, *args):
-            return None
-
-        def observe_step(self, *args):
-            self.steps.append(args[8:])
+    from lossless import ScriptedPolicy
 
     model, tok = make_tiny_llama(seed=3), make_word_tokenizer(96)
-    policy = Recorded()
+    policy = ScriptedPolicy()
     ngram = drafters.get("ngram")
     proposer = ngram.load(ngram.example(model, tok, tmp_path), model, tok).new_batch_proposer()
     decoder = BatchDecoder(TargetModel(model, tok), proposer, 3, policy=policy)
@@ -363,9 +347,10 @@ def test_the_time_outside_the_decode_work_is_measured_and_priced(tmp_path):
     for _ in range(2):  # two requests one after the other: the decoder is idle in between
         decoder.add(BatchSequence([5, 6, 7], cfg, on_tokens=lambda chunk: time.sleep(0.01 * len(chunk))))
         decoder.run()
-    assert len(policy.steps) == 6 and policy.steps[0][0] is None and policy.steps[3][0] is None
-    assert all(between >= 0 for between, _, _ in policy.steps[1:3] + policy.steps[4:])
-    assert all(emitted == 1 and emit_s >= 0.01 for _, emit_s, emitted in policy.steps)  # plain: one token a step
+    steps = [args[8:] for args in policy.steps]  # (between_s, emit_s, emitted) per step
+    assert len(steps) == 6 and steps[0][0] is None and steps[3][0] is None
+    assert all(between >= 0 for between, _, _ in steps[1:3] + steps[4:])
+    assert all(emitted == 1 and emit_s >= 0.01 for _, emit_s, emitted in steps)  # plain: one token a step
 
     def marginal() -> AdaptivePolicy:
         adaptive = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=1.0, draft_ms=0.5), 1)
@@ -408,22 +393,7 @@ def test_a_draft_the_drafter_did_not_make_counts_as_rejected(tmp_path):
     from draftsmith.core.generate import GenerationConfig, generate_plain
     from draftsmith.core.proposer import Proposal
     from draftsmith.core.target import TargetModel
-
-    class Always3:
-        def __init__(self):
-            self.observed = []
-
-        def new_request(self):
-            return None
-
-        def choose(self, rows, batch_size=None):
-            return Choice(3, 0.0)
-
-        def observe(self, request, num_proposed, num_accepted):
-            self.observed.append((num_proposed, num_accepted))
-
-        def observe_step(self, *args):
-            return None
+    from lossless import ScriptedPolicy
 
     class OneDraft:  # the n-gram batch proposer, always drafting one token (0) however many are asked for
         def __init__(self, inner):
@@ -439,7 +409,7 @@ def test_a_draft_the_drafter_did_not_make_counts_as_rejected(tmp_path):
     model, tok = make_tiny_llama(seed=3), make_word_tokenizer(96)
     ngram = drafters.get("ngram")
     proposer = OneDraft(ngram.load(ngram.example(model, tok, tmp_path), model, tok).new_batch_proposer())
-    policy = Always3()
+    policy = ScriptedPolicy([3])
     target = TargetModel(model, tok)
     cfg = GenerationConfig(max_new_tokens=12, temperature=0.0, ignore_eos=True)
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
@@ -464,6 +434,7 @@ def test_an_ngram_confidence_is_its_match_length_known_for_every_row(tmp_path):
     from draftsmith.core.generate import GenerationConfig, generate_plain
     from draftsmith.core.target import TargetModel
     from draftsmith.drafters.ngram.proposer import NgramProposer
+    from lossless import ScriptedPolicy
 
     ngram = NgramProposer(1, 4)
     ngram.start(torch.tensor([1, 2, 3, 9, 1, 2]), 3)  # suffix 1 2 3 repeats: a 3-gram match
@@ -471,32 +442,16 @@ def test_an_ngram_confidence_is_its_match_length_known_for_every_row(tmp_path):
     ngram.start(torch.tensor([1, 2, 3]), 4)  # nothing repeats
     assert ngram.confidence() == 0.0 and ngram.propose(2).tokens.numel() == 0
 
-    class Plain:
-        def __init__(self):
-            self.seen = []
-
-        def new_request(self):
-            return None
-
-        def choose(self, rows, batch_size=None):
-            self.seen.append([row[2] for row in rows])
-            return Choice(0, 0.0)
-
-        def observe(self, *args):
-            return None
-
-        def observe_step(self, *args):
-            return None
-
     model, tok = make_tiny_llama(seed=3), make_word_tokenizer(96)
     loaded = drafters.get("ngram")
     proposer = loaded.load(loaded.example(model, tok, tmp_path), model, tok).new_batch_proposer()
     assert proposer.free_catch_up
-    policy, target = Plain(), TargetModel(model, tok)
+    policy, target = ScriptedPolicy(), TargetModel(model, tok)
     decoder = BatchDecoder(target, proposer, 3, policy=policy)
     cfg = GenerationConfig(max_new_tokens=6, temperature=0.0, ignore_eos=True)
     prompts = [[5, 6, 7, 5, 6], [8, 9, 10]]
     seqs = [decoder.add(BatchSequence(p, cfg)) for p in prompts]
     decoder.run()
     assert [s.result.tokens for s in seqs] == [generate_plain(target, p, cfg).tokens for p in prompts]
-    assert len(policy.seen) == 5 and all(c is not None and 0.0 <= c <= 1.0 for step in policy.seen for c in step)
+    confidence = [[row[2] for row in rows] for rows in policy.rows]  # per step, each row's
+    assert len(confidence) == 5 and all(c is not None and 0.0 <= c <= 1.0 for step in confidence for c in step)

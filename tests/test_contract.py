@@ -313,33 +313,17 @@ def test_deferred_accepts_draft_what_step_by_step_accepts_draft(served, monkeypa
     at its first draft over the whole context so far (``core.batch``): its drafts then equal those of a drafter
     started at prefill that accepted every step's positions at once (``START_LIMIT`` 0, ``PENDING_LIMIT`` 1); a
     row that never drafts never starts its drafter, unless its catch-up is free (``free_catch_up``)."""
+    import lossless
     from draftsmith.core import batch
-    from draftsmith.core.adaptive import Choice
 
     honour_opt_out(name, "auto")
     model, tok, prompts, spec = served("tiny", name)
     engine = Engine(model, tok, spec.with_k(3))
     plan = [0, 0, 0, 3, 0, 0, 2, 3, 0, 0, 0, 0, 3, 1, 0, 3, 3, 3]
 
-    class Schedule:
-        def __init__(self):
-            self.steps = iter(plan)
-
-        def new_request(self):
-            return None
-
-        def choose(self, rows, batch_size=None):
-            return Choice(next(self.steps, plan[-1]), 0.0)
-
-        def observe(self, *args):
-            return None
-
-        def observe_step(self, *args):
-            return None
-
     def drafts():
         proposer = _Logged(engine.drafter.new_batch_proposer())
-        decoder = BatchDecoder(engine.target, proposer, 3, max_num_seqs=2, policy=Schedule())
+        decoder = BatchDecoder(engine.target, proposer, 3, max_num_seqs=2, policy=lossless.ScriptedPolicy(plan))
         for ids in prompts:
             decoder.add(BatchSequence(ids, GenerationConfig(max_new_tokens=len(plan) + 4)))
         decoder.run()
