@@ -19,7 +19,11 @@ Printed and written to ``--out`` (``grid.json``, ``grid.md``, ``grid.png``, and 
     spread at that task and c: the median over consecutive plain batches of faster / slower (what a paired cell
     can resolve), and fastest / slowest of all its batches (what an unpaired one could);
   - the bar's two checks: cells where ``auto`` < 0.97x plain, and the geometric-mean speedup over the grid of
-    ``auto`` against each single fixed k (over the cells that k ran in, and over the cells every k ran in).
+    ``auto`` against each single fixed k (over the cells that k ran in, and over the cells every k ran in);
+  - the A/A control (``--control``, on by default: ``BenchConfig.control``): a second plain server measured like
+    every method, once per (task, c). It is plain decoding, so the cells where IT reads < 0.97x show how often
+    the bench fails the bar with no speculation at all, and the expected count of such cells among ``auto``'s
+    if auto were exactly plain (the control's rate x auto's cells) is what ``auto``'s own count compares with.
 The cost models ``auto`` uses are measured at the first engine start and cached (``serve/costs.py``).
 """
 
@@ -36,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 BAR = 0.97
+CONTROL = "none-control"  #: ``evaluation.bench_config.CONTROL``
 DRAFTERS = ("eagle3", "ngram", "draft_model", "mlp_speculator", "dflash")
 
 
@@ -57,6 +62,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", nargs="+", type=int, default=[1], help="one value, or one per --concurrency level")
     p.add_argument("--baseline-every", type=int, default=1, help="a plain batch after every N others (0: unpaired)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument(
+        "--control", action=argparse.BooleanOptionalAction, default=True, help="the A/A control (module docstring)"
+    )
     p.add_argument("--out", default="runs/adaptive-grid")
     return p.parse_args(argv)
 
@@ -75,6 +83,8 @@ def cells(reports: dict, ks: list, methods: list) -> list[dict]:
                 cell["plain_spread"] = max(rounds) / min(rounds) if len(rounds) > 1 and min(rounds) > 0 else None
                 pairs = [max(a, b) / min(a, b) for a, b in zip(rounds, rounds[1:]) if min(a, b) > 0]
                 cell["plain_pair_spread"] = statistics.median(pairs) if pairs else None
+                control = report["methods"].get(CONTROL, {}).get("per_concurrency", [])
+                cell["control"] = control[i].get("speedup") if i < len(control) else None
                 for k in [*ks, "auto"]:
                     name = f"{method}@{'auto' if k == 'auto' else f'k{k}'}"
                     rows = report["methods"].get(name, {}).get("per_concurrency", [])
@@ -108,6 +118,9 @@ def summary(grid: list[dict], ks: list) -> dict:
         for label in [*labels, "auto"]
     }
     best = max(labels, key=lambda label: per_k[label]["geomean_common"])
+    controls = {(c["task"], c["concurrency"]): c["control"] for c in grid if c.get("control") is not None}
+    control_below = sorted((task, conc, round(v, 3)) for (task, conc), v in controls.items() if v < BAR)
+    auto_cells = sum(c["auto"] is not None for c in grid)
     spreads = [c["plain_spread"] for c in grid if c.get("plain_spread")]
     pair_spreads = [c["plain_pair_spread"] for c in grid if c.get("plain_pair_spread")]
     return {
@@ -122,6 +135,11 @@ def summary(grid: list[dict], ks: list) -> dict:
         "plain_spread_max": _rounded(max(spreads)) if spreads else None,
         "plain_pair_spread_median": _rounded(statistics.median(pair_spreads)) if pair_spreads else None,
         "plain_pair_spread_max": _rounded(max(pair_spreads)) if pair_spreads else None,
+        "control_cells": len(controls),
+        "control_below_bar": control_below,
+        "control_range": [_rounded(min(controls.values())), _rounded(max(controls.values()))] if controls else None,
+        # how many of auto's cells a method identical to plain would put below the bar, at the control's rate
+        "expected_below_bar_if_plain": _rounded(auto_cells * len(control_below) / len(controls)) if controls else None,
     }
 
 
@@ -134,9 +152,9 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
     head = (
         "| task | drafter | c | "
         + " | ".join(f"k={label}" for label in labels)
-        + " | auto | auto mean k | plain's spread: consecutive / all |"
+        + " | auto | auto mean k | A/A control | plain's spread: consecutive / all |"
     )
-    lines = [head, "|---|---|---:|" + "---:|" * (len(labels) + 3)]
+    lines = [head, "|---|---|---:|" + "---:|" * (len(labels) + 4)]
     fmt = lambda v: "-" if v is None else f"{v:.2f}x"  # noqa: E731
     for c in grid:
         mark = " **<0.97**" if c["auto"] is not None and c["auto"] < BAR else ""
@@ -144,7 +162,7 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
         lines.append(
             f"| {c['task']} | {c['drafter']} | {c['concurrency']} | "
             + " | ".join(fmt(c[label]) for label in labels)
-            + f" | {fmt(c['auto'])}{mark} | {mean_k} "
+            + f" | {fmt(c['auto'])}{mark} | {mean_k} | {fmt(c.get('control'))} "
             + f"| {fmt(c.get('plain_pair_spread'))} / {fmt(c.get('plain_spread'))} |"
         )
     g = result["geomean"]
@@ -162,6 +180,17 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
         f"{result['auto_below_bar'] or ''}; lowest {result['auto_min']:.3f}x",
         f"best single fixed k (common cells): k={result['best_fixed_k']}; auto / it = "
         f"{result['auto_vs_best_fixed_k_common']:.3f}",
+        *(
+            [
+                f"A/A control (a second plain server, once per task and c) below {BAR}x: "
+                f"{len(result['control_below_bar'])} of {result['control_cells']} {result['control_below_bar'] or ''}"
+                f"; range {result['control_range'][0]:.3f}-{result['control_range'][1]:.3f}x; at its rate a method "
+                f"identical to plain would read below {BAR}x in {result['expected_below_bar_if_plain']} of auto's "
+                f"{g['auto']['cells']} cells",
+            ]
+            if result.get("control_cells")
+            else []
+        ),
         f"plain's own spread (the cells' resolution): between consecutive plain batches (faster / slower) median "
         f"{result['plain_pair_spread_median']}, largest {result['plain_pair_spread_max']}; fastest / slowest of all "
         f"its batches median {result['plain_spread_median']}, largest {result['plain_spread_max']}",
@@ -184,6 +213,10 @@ def plot(grid: list[dict], ks: list, methods: list, path: Path) -> None:
             ys = [c[label] if c[label] is not None else float("nan") for c in rows]
             style = {"color": "black", "linewidth": 2.5, "marker": "s"} if label == "auto" else {"marker": "o"}
             ax.plot(xs, ys, label="auto" if label == "auto" else f"k={label}", **style)
+        controls = [c.get("control") for c in rows]
+        if any(v is not None for v in controls):
+            ys = [float("nan") if v is None else v for v in controls]
+            ax.plot(xs, ys, color="grey", linestyle=":", marker=".", label="A/A control")
         ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.axhline(BAR, color="red", linewidth=0.8, linestyle="--")
         ax.set_xticks(list(xs), [f"{c['task']}\nc={c['concurrency']}" for c in rows], fontsize=7)
@@ -226,6 +259,7 @@ def main(argv=None) -> int:
             rounds=args.rounds,
             baseline_every=args.baseline_every,
             threads=args.threads,
+            control=args.control,
             out=str(out / task),
         )
         reports[task] = run_bench(cfg, model, tokenizer)

@@ -323,14 +323,17 @@ def test_tiny_end_to_end(tiny_llama, tmp_path):
         threads=1,
         hf_peer=True,
         draft_model="",
+        control=True,
         out=str(tmp_path),
     )
     report = run_bench(cfg, model=model, tokenizer=tokenizer, prompts=prompts)
     methods = report["methods"]
-    assert list(methods) == ["none", "ngram", "hf:plain", "hf:prompt_lookup"]
+    assert list(methods) == ["none", "none-control", "ngram", "hf:plain", "hf:prompt_lookup"]
+    assert methods["none-control"]["verdict"].startswith("A/A control")
+    assert methods["none-control"]["per_concurrency"][0]["counters"]["draft_tokens"] == 0  # a plain server
     assert report["reference"]["separate_run"] and report["reference"]["failed"] == 0
     assert report["config"]["requests_per_batch"] == [3, 4]
-    for name, per_round in (("none", 2), ("ngram", 1)):  # paired: plain before and after each ngram batch
+    for name, per_round in (("none", 3), ("none-control", 1), ("ngram", 1)):  # paired: plain around each batch
         assert [r["concurrency"] for r in methods[name]["per_concurrency"]] == [2, 4]
         assert [r["requests"] for r in methods[name]["per_concurrency"]] == [6 * per_round, 12 * per_round]
         assert [r["rounds"] for r in methods[name]["per_concurrency"]] == [2 * per_round, 3 * per_round]
@@ -398,3 +401,70 @@ def test_rounds_are_one_value_or_one_per_level():
         BenchConfig(concurrency=(1, 8, 32), rounds=[2, 4])
     with pytest.raises(ValueError, match="integers >= 1"):
         BenchConfig(rounds=0)
+
+
+def test_the_aa_control_is_a_second_plain_server_measured_as_a_method(monkeypatch):
+    """``control``: a second no-speculation server (``none-control``) rotates with the methods and is paired with the
+    baseline like them, so on a machine whose speed drifts it reads 1.0 (what a method equal to plain reads); it
+    gets no drafter config and no enable/disable verdict; it needs the baseline and in-process servers."""
+    from draftsmith.evaluation import bench
+    from draftsmith.evaluation.bench_config import CONTROL, bench_methods, speculative_config
+
+    cfg = BenchConfig(methods=["none", "ngram"], k=[3, "auto"], control=True)
+    assert bench_methods(cfg) == ["none", CONTROL, "ngram@k3", "ngram@auto"]
+    assert speculative_config(CONTROL, cfg) is None
+    with pytest.raises(ValueError, match="add none to --methods"):
+        bench_methods(BenchConfig(methods=["ngram"], control=True))
+    with pytest.raises(ValueError, match="--url"):
+        BenchConfig(urls=["http://127.0.0.1:1"], control=True)
+    assert config_from_args(build_parser().parse_args(["--control"])).control
+
+    calls = []
+    true_speed = {"none": 100.0, CONTROL: 100.0, "a": 150.0}
+
+    async def fake_run_batch(url, model, prompts, max_tokens, concurrency):
+        calls.append(url)
+        return _batch(1.0, [int(round(true_speed[url] * 0.95 ** len(calls) * 1000))], concurrency=concurrency)
+
+    monkeypatch.setattr(bench, "run_batch", fake_run_batch)
+    servers = {name: (name, "m") for name in true_speed}
+    results, _ = asyncio.run(bench._measure(servers, [[1, 2]], BenchConfig(methods=list(true_speed), rounds=2)))
+    assert calls[3:8] == ["none", CONTROL, "none", "a", "none"]
+    report = build_report({}, results)
+    control = report["methods"][CONTROL]
+    assert control["per_concurrency"][0]["speedup"] == pytest.approx(1.0, rel=1e-3)
+    assert report["methods"]["a"]["per_concurrency"][0]["speedup"] == pytest.approx(1.5, rel=1e-3)
+    assert control["verdict"].startswith("A/A control") and control["not_worth_enabling_at"] == []
+    assert "A/A control" in control["per_concurrency"][0]["verdict"]
+
+
+def test_the_grid_counts_the_aa_controls_cells_below_the_bar():
+    """The grid reads the control once per (task, c) and says how many of auto's cells a method identical to plain
+    would put below the bar at the control's rate, next to auto's own count."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_grid.py"
+    spec = importlib.util.spec_from_file_location("adaptive_grid", path)
+    grid_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid_mod)
+
+    def row(speedup, rounds=(100.0, 104.0)):
+        return {"speedup": speedup, "output_tokens_per_s_rounds": list(rounds), "mean_chosen_k": 0.5}
+
+    def report(control, auto):  # one task, c = 1 and 8; drafters x and y at k = 1 and auto
+        methods = {"none": {"per_concurrency": [row(1.0), row(1.0)]}, "none-control": {"per_concurrency": control}}
+        for d in ("x", "y"):
+            methods[f"{d}@k1"] = {"per_concurrency": [row(1.1), row(0.9)]}
+            methods[f"{d}@auto"] = {"per_concurrency": auto}
+        return {"concurrency": [1, 8], "methods": methods}
+
+    reports = {"t": report([row(0.95), row(1.01)], [row(1.2), row(0.96)])}
+    cells = grid_mod.cells(reports, [1], ["x", "y"])
+    assert [c["control"] for c in cells] == [0.95, 1.01, 0.95, 1.01]
+    result = grid_mod.summary(cells, [1])
+    assert result["control_cells"] == 2 and result["control_below_bar"] == [("t", 1, 0.95)]
+    assert result["expected_below_bar_if_plain"] == 2.0  # 1 of 2 control cells x 4 auto cells
+    assert len(result["auto_below_bar"]) == 2 and result["control_range"] == [0.95, 1.01]
+    text = grid_mod.table(cells, [1], result)
+    assert "A/A control" in text and "in 2.0 of auto's 4 cells" in text

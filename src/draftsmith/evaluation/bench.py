@@ -45,6 +45,10 @@ Steps:
      round); per method, the verdict names the concurrencies where the speedup is below
      1.0 ("not worth enabling at c=16, 32") or says it pays at every measured concurrency (acceptance alone
      is not the verdict). HF peers are compared with HF plain generate.
+  7. A/A control (``--control``): a second no-speculation server, ``none-control``, is measured as a method. Its
+     speedup is 1.0 in truth, so what it reads is the bench's resolution: on a shared 2-core CPU at c = 32 single
+     paired batches of plain against plain read 0.91-1.05x (8 rounds), wider than the few percent a method's
+     bookkeeping costs, so a one-batch speedup a few percent below 1.0 says nothing on its own.
 Timings use ``torch.set_num_threads(threads)``; numbers are medians because a shared machine is noisy. The
 client shares the process (and the GIL) with in-process servers. Writes ``report.json`` (per method a list
 over concurrency), ``table.md`` and ``bench.png`` (throughput and speedup vs concurrency) to ``--out``, each
@@ -75,6 +79,7 @@ from draftsmith.core.stops import stop_token_ids
 from draftsmith.data_pipeline.chat import prompt_ids
 from draftsmith.evaluation.bench_config import (
     BASELINE,
+    CONTROL,
     HF_BASELINE,
     K_MARK,
     BenchConfig,
@@ -102,6 +107,10 @@ SCHEDULER_GAUGES = {
     "waiting": "draftsmith:num_requests_waiting",
 }
 HF_NOTE = "transformers generate, one request at a time: measured at c=1 only"
+CONTROL_VERDICT = (
+    "A/A control: a second no-speculation server; its speedups are what this bench reads for a method equal to plain "
+    "(the resolution of the others)"
+)
 
 
 @dataclass
@@ -286,6 +295,8 @@ def add_verdicts(rows: dict[str, dict], baseline: str = BASELINE, prefix: str = 
         ratios = [a / b for a, b in zip(row["output_tokens_per_s_rounds"], bases) if b and b > 0]
         row["speedup"] = statistics.median(ratios) if ratios else None
         row["verdict"] = "baseline" if name == baseline else verdict(row["speedup"])
+        if name == CONTROL:
+            row["verdict"] = f"{format_speedup(row['speedup'])}: A/A control" if row["speedup"] else "A/A control"
 
 
 def _levels(values: Sequence[int]) -> str:
@@ -374,6 +385,8 @@ def build_report(
         ordered = [per_c[c] for c in sorted(per_c)]
         methods[name] = {"kind": "server", "per_concurrency": ordered, **scaling(ordered)}
         methods[name] |= method_verdict(ordered, is_baseline=name == BASELINE)
+        if name == CONTROL:  # not a method to enable: its speedups are the bench's resolution
+            methods[name] |= {"verdict": CONTROL_VERDICT, "not_worth_enabling_at": [], "worth_enabling_at": []}
     if hf_results:
         hf_rows = {}
         for name, batches in hf_results.items():

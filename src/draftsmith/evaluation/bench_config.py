@@ -15,6 +15,8 @@ from draftsmith.reference import TASK_NAMES
 from draftsmith.sources import ModelSourceError, check_head_dir, check_model_source
 
 BASELINE = "none"
+#: an A/A control: a second no-speculation server, measured as a method (``BenchConfig.control``)
+CONTROL = "none-control"
 TREE_SUFFIX = "+tree"  #: a method drafting trees of ``BenchConfig.tree``: ``eagle3+tree``
 K_MARK = "@"  #: a k sweep's method names: ``eagle3@k3``, ``eagle3@auto`` (``BenchConfig.k`` with several values)
 
@@ -55,6 +57,9 @@ class BenchConfig:
             round in the rotation, and a batch is compared with plain's batch of the same round.
         threads: ``torch.set_num_threads`` for the whole run. dtype, device: of the in-process target.
         max_model_len: the in-process engines' limit (memory plan). hf_peer: also run HF assisted generation.
+        control: also serve ``CONTROL``, a second no-speculation engine measured as a method (an A/A test): its
+            speedup over the baseline is what this bench reads for a method equal to plain decoding, so its spread
+            is the resolution of every other speedup in the run (in-process servers only).
         out: directory for report.json, table.md, bench.png.
     """
 
@@ -78,6 +83,7 @@ class BenchConfig:
     device: str = "cpu"
     max_model_len: int | None = None
     hf_peer: bool = False
+    control: bool = False
     out: str = "runs/bench"
 
     def __post_init__(self):
@@ -102,6 +108,8 @@ class BenchConfig:
             )
         if self.tree is not None:
             self.tree = str(TreeShape.parse(self.tree))  # refuses a bad shape now
+        if self.control and self.urls:
+            raise ValueError("--control starts a second in-process plain server; it cannot measure --url servers")
 
 
 def rounds_at(cfg: BenchConfig, concurrency: int) -> int:
@@ -131,20 +139,27 @@ def method_k(method: str, cfg: BenchConfig) -> "int | str":
 
 
 def base_method(method: str) -> str:
-    """The drafter a bench method runs (``eagle3+tree`` / ``eagle3@k3`` -> ``eagle3``)."""
+    """The drafter a bench method runs (``eagle3+tree`` / ``eagle3@k3`` -> ``eagle3``; the A/A control -> none)."""
+    if method == CONTROL:
+        return BASELINE
     return method.split(K_MARK, 1)[0].removesuffix(TREE_SUFFIX)
 
 
 def bench_methods(cfg: BenchConfig) -> list[str]:
     """The in-process servers: ``cfg.methods`` (default ``default_methods``), each tree-drafting one followed by its
-    ``+tree`` twin when ``cfg.tree`` is set.
+    ``+tree`` twin when ``cfg.tree`` is set; the A/A control after the baseline with ``cfg.control``.
 
     Raises:
-        ValueError: ``cfg.tree`` set but no method drafts trees."""
+        ValueError: ``cfg.tree`` set but no method drafts trees; ``cfg.control`` without the baseline."""
     out = []
     sweep = swept_ks(cfg)
-    for method in cfg.methods or default_methods(cfg):
-        if method == BASELINE or not sweep:
+    methods = cfg.methods or default_methods(cfg)
+    if cfg.control and BASELINE not in methods:
+        raise ValueError(f"--control is measured against the baseline: add {BASELINE} to --methods")
+    for method in methods:
+        if method == BASELINE:
+            out += [BASELINE, CONTROL] if cfg.control else [BASELINE]
+        elif not sweep:
             out.append(method)
         else:
             out += [f"{method}{K_MARK}{'auto' if k == 'auto' else f'k{k}'}" for k in sweep]
@@ -206,7 +221,7 @@ def speculative_config(method: str, cfg: BenchConfig) -> dict | None:
 
     Raises FileNotFoundError for a drafter that needs an export ``cfg.head`` is not; ValueError for an unknown
     method."""
-    if method == BASELINE:
+    if base_method(method) == BASELINE:
         return None
     k = method_k(method, cfg)
     if TREE_SUFFIX in method:
@@ -310,6 +325,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--device", default=d.device)
     p.add_argument("--max-model-len", type=arg.positive_int, default=d.max_model_len)
     p.add_argument("--hf-peer", action="store_true", help="also run transformers assisted generation")
+    p.add_argument(
+        "--control",
+        action="store_true",
+        help=f"also serve a second plain server, {CONTROL}, measured as a method (an A/A test): its speedup is "
+        "what the bench reads for a method equal to plain, the resolution of the other speedups",
+    )
     p.add_argument("--out", default=d.out)
     return p
 
