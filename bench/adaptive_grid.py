@@ -40,7 +40,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 BAR = 0.97
-CONTROL = "none-control"  #: ``evaluation.bench_config.CONTROL``
 DRAFTERS = ("eagle3", "ngram", "draft_model", "mlp_speculator", "dflash")
 
 
@@ -71,6 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def cells(reports: dict, ks: list, methods: list) -> list[dict]:
     """One dict per (task, drafter, c): speedup per k label and auto, auto's mean chosen k."""
+    from draftsmith.evaluation.bench_config import CONTROL
+
     out = []
     for task, report in reports.items():
         for method in methods:
