@@ -311,6 +311,7 @@ def cmd_serve(args) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_waiting=args.max_waiting_requests,
+        onednn=args.onednn,
     )
     serve(engine, host=args.host, port=args.port, api_key=args.api_key, max_request_bytes=args.max_request_bytes)
     return 0
@@ -574,6 +575,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=arg.positive_int,
         default=1024,
         help="requests allowed to wait for a batch slot; past it new requests get HTTP 429",
+    )
+    p.add_argument(
+        "--onednn",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="run the target's float32 linear layers on the CPU through oneDNN with prepacked weights (a verify "
+        "step then costs about a one-token step; core/onednn.py); auto: when the packed copies fit in half the "
+        "free memory",
     )
     p.add_argument(
         "--api-key",

@@ -19,6 +19,7 @@ import torch
 
 from draftsmith.core.adaptive import AdaptivePolicy, CostModel
 from draftsmith.core.cost_profile import profile_costs
+from draftsmith.core.onednn import PackedLinear
 from draftsmith.core.target import TargetModel
 
 logger = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ def cost_key(target: TargetModel, spec, k_max: int, batch_sizes: list[int]) -> d
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
+        "packed_linears": sum(type(m) is PackedLinear for m in target.model.modules()),  # oneDNN or MKL GEMMs
     }
 
 

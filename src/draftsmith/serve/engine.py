@@ -45,6 +45,7 @@ from transformers import AutoConfig
 from draftsmith import drafters, reference
 from draftsmith.core.batch import BatchDecoder, BatchSequence
 from draftsmith.core.generate import GenerationConfig, GenerationResult, SpecStats, VerifyStep
+from draftsmith.core.onednn import ONEDNN_MODES, pack_linears, packed_bytes
 from draftsmith.core.proposer import Proposer
 from draftsmith.core.sampling import draft_seed
 from draftsmith.core.stops import StopStringFound, TextStream, stop_token_ids
@@ -55,6 +56,7 @@ from draftsmith.serve.costs import adaptive_policy
 from draftsmith.serve.memory import plan_for_engine
 from draftsmith.serve.metrics import EngineMetrics
 from draftsmith.serve.scheduler import EngineClosed, EngineOverloaded, RequestCancelled, Scheduler
+from draftsmith.sizes import free_memory_bytes
 
 __all__ = ["Engine", "EngineClosed", "EngineOverloaded", "EngineResult", "RequestCancelled", "RequestError"]
 
@@ -129,7 +131,10 @@ class Engine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         max_waiting: int = 1024,
+        onednn: str = "off",
     ):
+        if onednn not in ONEDNN_MODES:
+            raise ValueError(f"onednn must be one of {', '.join(ONEDNN_MODES)}, got {onednn!r}")
         self.spec = SpeculativeConfig.parse(speculative_config)
         self.tokenizer, self.model_name = tokenizer, model_name
         self.drafter = (
@@ -137,6 +142,7 @@ class Engine:
             if self.spec is not None
             else None
         )
+        self.packed_linears = self._pack(model, onednn)  # before the cost profile measures the forwards
         aux_layer_ids = self.drafter.aux_layer_ids if self.drafter is not None else None
         self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
         self.k = self.spec.depth if self.spec is not None else 0  # a tree's counters run over its depths
@@ -166,6 +172,23 @@ class Engine:
             decoder, self.metrics, max_waiting=max_waiting, kv_capacity=max_num_seqs * self.max_model_len
         )
 
+    def _pack(self, model, onednn: str) -> int:
+        """Pack the target's linear layers for oneDNN (``core.onednn``) as ``onednn`` says:
+        ``on`` always (where oneDNN runs the weights), ``auto`` when the packed copies take at most half of the
+        free memory, ``off`` never. Returns the number of layers packed; logs the choice."""
+        if onednn == "off":
+            return 0
+        extra = packed_bytes(model)
+        if extra == 0:
+            return 0
+        free = free_memory_bytes("cpu")
+        if onednn == "auto" and extra > free // 2:
+            logger.info("oneDNN linears: not packed (%.1f GiB of copies, %.1f GiB free)", extra / 2**30, free / 2**30)
+            return 0
+        n = pack_linears(model)
+        logger.info("oneDNN linears: %d packed (%.0f MiB of copies)", n, extra / 2**20)
+        return n
+
     def to_loop(self, loop, fn):
         """An ``on_text`` for ``generate`` that sends each piece to ``fn`` on the asyncio ``loop``: what a step
         emits leaves at the end of the step, one wake-up of the loop per step (``serve.scheduler.Handoff``)."""
@@ -189,6 +212,7 @@ class Engine:
         allow_mismatch: Sequence[str] = (),
         max_model_len: int | None = None,
         check_memory: bool = True,
+        onednn: str = "auto",
         **batching,
     ) -> "Engine":
         """Load ``target`` (a Hub id, a folder, or ``reference``) on ``device`` (default: cuda when
@@ -198,6 +222,7 @@ class Engine:
         ``serve.memory.plan_for_engine`` estimates weights + KV caches of the target and the drafter for
         ``max_model_len`` and compares them with the device's free memory (``check_memory=False`` skips it).
         ``batching``: ``max_num_seqs``, ``max_num_batched_tokens``, ``max_waiting`` (as ``Engine``).
+        ``onednn``: pack the CPU linear layers for oneDNN (``core.onednn``; ``Engine._pack``): auto | on | off.
 
         Raises:
             MemoryPlanError (a ValueError): the plan does not fit; the message says what to change.
@@ -225,6 +250,7 @@ class Engine:
             model_name=served_model_name or target,
             allow_mismatch=allow_mismatch,
             max_model_len=max_model_len,
+            onednn=onednn,
             **batching,
         )
 
