@@ -8,7 +8,8 @@ at a time, 1 thread in both engines; the time of a pass over the prompts (after 
     python bench/batch1_vs_vllm.py --head runs/reference-eagle3/head [--k 5] [--prompts 20] [--max-tokens 64]
         [--repeats 3] [--ours-only] [--json out.json]
 
-``--ours-only`` times draftsmith alone (e.g. to compare two checkouts: ``PYTHONPATH=OTHER/src python ...``).
+``--onednn off on`` times our engine with MKL linears and with packed oneDNN ones (``core/onednn.py``), one row
+each. ``--ours-only`` times draftsmith alone (e.g. to compare two checkouts: ``PYTHONPATH=OTHER/src python ...``).
 Prints a table: seconds per pass, ours / vLLM, target forwards, outputs equal.
 """
 
@@ -43,15 +44,16 @@ def methods(head: str | None, k: int) -> dict[str, dict | None]:
     return out
 
 
-def time_ours(spec: dict | None, prompts, max_tokens: int, repeats: int) -> dict:
-    """Median seconds of a pass over ``prompts`` through ``serve.engine.Engine`` (one request at a time)."""
+def time_ours(spec: dict | None, prompts, max_tokens: int, repeats: int, onednn: str = "auto") -> dict:
+    """Median seconds of a pass over ``prompts`` through ``serve.engine.Engine`` (one request at a time);
+    ``onednn``: the engine's linear kernels (``core.onednn``: auto | on | off)."""
     import torch
 
     from draftsmith.core.generate import GenerationConfig
     from draftsmith.serve.engine import Engine
 
     torch.set_num_threads(1)
-    engine = Engine.from_pretrained("reference", spec, dtype="float32", device="cpu", check_memory=False)
+    engine = Engine.from_pretrained("reference", spec, dtype="float32", device="cpu", check_memory=False, onednn=onednn)
     cfg = GenerationConfig(max_new_tokens=max_tokens, eos_token_ids=engine.eos_token_ids)
     engine.generate(prompts[0], cfg)  # warm-up
     passes, outputs, forwards = [], [], 0
@@ -108,14 +110,23 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--ours-only", action="store_true")
+    p.add_argument(
+        "--onednn",
+        nargs="+",
+        choices=["auto", "on", "off"],
+        default=["auto"],
+        help="our engine's linear kernels (core/onednn.py); several: one row of ours per value",
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     import torch
 
     prompts = heldout_prompt_ids("reference", args.prompts)
     rows = {}
-    for label, spec in methods(args.head, args.k).items():
-        ours = time_ours(spec, prompts, args.max_tokens, args.repeats)
+    for (label, spec), onednn in ((m, o) for m in methods(args.head, args.k).items() for o in args.onednn):
+        ours = time_ours(spec, prompts, args.max_tokens, args.repeats, onednn)
+        if len(args.onednn) > 1:
+            label = f"{label} onednn={onednn}"
         row = {
             "ours_s": ours["pass_s"],
             "ours_passes_s": ours["passes_s"],
