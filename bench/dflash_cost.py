@@ -7,7 +7,7 @@ exported drafters are measured as served; ``--layers`` adds untrained DFlash dra
 not depend on the weights' values).
 
 Run: python bench/dflash_cost.py --dflash runs/reference-dflash/head --eagle3 runs/reference-eagle3/head \\
-         [--threads 1] [--context 256] [--k 3 5 7] [--layers 1 2]
+         [--threads 1] [--context 256] [--k 3 5 7] [--layers 1 2] [--onednn off|target|all]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import time
 import torch
 
 from draftsmith.arguments import ArgumentParser, run_guarded
+from draftsmith.core.onednn import pack_linears
 from draftsmith.core.target import TargetModel
 from draftsmith.drafters.dflash.config import Section
 from draftsmith.drafters.dflash.export import load_dflash
@@ -47,6 +48,13 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, nargs="+", default=[3, 5, 7])
     p.add_argument("--layers", type=int, nargs="*", default=[1], help="untrained DFlash depths to add")
     p.add_argument("--repeats", type=int, default=40)
+    p.add_argument(
+        "--onednn",
+        choices=["off", "target", "all"],
+        default="target",
+        help="pack linears for oneDNN (core/onednn.py): the target's, as the engine serves it (DFlash reads its "
+        "lm_head), all (the drafters' too), or off (MKL everywhere)",
+    )
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     model, tok = load_causal_lm(a.target, dtype="float32")
@@ -67,6 +75,11 @@ def main(argv=None) -> int:
             target_layer_ids=list(trained.config.target_layer_ids),
         )
         drafters[f"dflash ({n} layers, untrained)"] = build_dflash(model, section, tok).eval()
+    if a.onednn != "off":
+        pack_linears(model)
+    if a.onednn == "all":
+        for head in drafters.values():
+            pack_linears(head)
     proposers = {}
     for name, head in drafters.items():
         if name == "eagle3":
@@ -90,7 +103,7 @@ def main(argv=None) -> int:
     cpu = platform.processor() or platform.machine()
     print(
         f"torch {torch.__version__}, {a.threads} thread(s), capability {torch.backends.cpu.get_cpu_capability()}, "
-        f"{cpu}; context {a.context} tokens; median of {a.repeats}"
+        f"{cpu}; context {a.context} tokens; median of {a.repeats}; oneDNN linears: {a.onednn}"
     )
     print(f"{'drafter':34s} {'k':>2s} {'propose ms':>10s} {'ms/token':>9s} {'vs eagle3':>9s} {'MB read':>8s}")
     for k in a.k:

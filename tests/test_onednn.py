@@ -87,3 +87,29 @@ def test_an_unknown_onednn_mode_is_refused():
 
     with pytest.raises(ValueError, match="onednn must be one of"):
         Engine(_model(), None, onednn="yes")
+
+
+def test_inference_tensors_are_not_packed():
+    with torch.inference_mode():
+        model = _model()
+    assert packed_bytes(model) == 0 and pack_linears(model) == 0
+
+
+def test_dflash_reads_the_packed_target_lm_head_and_stays_lossless(tmp_path):
+    from draftsmith import drafters
+    from draftsmith.core.generate import GenerationConfig
+    from draftsmith.models import load_causal_lm
+    from draftsmith.serve.engine import Engine
+
+    model, tok = load_causal_lm("reference", dtype="float32")
+    spec = drafters.get("dflash").example(model, tok, tmp_path)
+    prompt = list(range(20, 60)) * 2
+    out = {}
+    for name, s in (("plain", None), ("dflash", spec)):
+        engine = Engine(model, tok, s, onednn="on")  # the same model: packed once, then reused as it is
+        try:
+            assert type(model.lm_head) is PackedLinear
+            out[name] = engine.generate(prompt, GenerationConfig(max_new_tokens=24, eos_token_ids=[2])).tokens
+        finally:
+            engine.close()
+    assert out["dflash"] == out["plain"]

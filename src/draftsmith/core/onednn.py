@@ -80,11 +80,15 @@ class PackedLinear(torch.nn.Linear):
 
 
 def packable(module: torch.nn.Module) -> list[torch.nn.Linear]:
-    """The ``nn.Linear`` modules of ``module`` that ``pack_linears`` would pack: float32 weights on the CPU."""
+    """The ``nn.Linear`` modules of ``module`` that ``pack_linears`` would pack: float32 weights on the CPU that
+    are not inference tensors (``torch.inference_mode`` ones keep no version counter to check staleness by)."""
     return [
         m
         for m in module.modules()
-        if type(m) is torch.nn.Linear and m.weight.device.type == "cpu" and onednn_available(m.weight.dtype)
+        if type(m) is torch.nn.Linear
+        and m.weight.device.type == "cpu"
+        and not m.weight.is_inference()  # no version counter: an in-place change could not be seen
+        and onednn_available(m.weight.dtype)
     ]
 
 

@@ -36,6 +36,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from draftsmith.core.aux_layers import aux_layer_order_problem
+from draftsmith.core.onednn import PackedLinear
 from draftsmith.drafters.dflash.config import default_target_layer_ids  # noqa: F401 - re-exported
 
 
@@ -266,8 +267,10 @@ class DFlashHead(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Target-vocabulary logits: lm_head(norm(h)), [..., H] -> [..., V] (gradients flow to h, not lm_head)."""
         _, lm_head = self._bound()
-        normed = self.norm(hidden)
-        return F.linear(normed.to(lm_head.weight.dtype), lm_head.weight.detach())
+        normed = self.norm(hidden).to(lm_head.weight.dtype)
+        if type(lm_head) is PackedLinear and lm_head.bias is None and not lm_head.weight.requires_grad:
+            return lm_head(normed)  # the served target's packed lm_head (core.onednn): the block's largest read
+        return F.linear(normed, lm_head.weight.detach())
 
     @torch.no_grad()
     def init_from_target(self, target) -> None:
