@@ -36,6 +36,7 @@ from conftest import make_tiny_llama, make_word_tokenizer
 from draftsmith import drafters, reference
 from draftsmith.core.batch import BatchDecoder, BatchSequence
 from draftsmith.core.generate import GenerationConfig, generate_plain
+from draftsmith.core.onednn import pack_linears
 from draftsmith.core.target import TargetModel
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.serve.engine import Engine
@@ -128,6 +129,32 @@ def test_greedy_equals_plain_greedy(served, target, name):
             assert spec_out.stats.num_draft_tokens <= k * spec_out.stats.num_drafts
             drafts += spec_out.stats.num_drafts
         assert drafts > 0, f"{name} k={k}: nothing was drafted, the test would be vacuous"
+
+
+@pytest.fixture(scope="module")
+def packed_reference():
+    """The reference target with its linears packed for oneDNN (``core.onednn``, as ``draftsmith serve`` runs it
+    on a CPU by default): its own copy, so the other contracts keep MKL's kernels."""
+    model, tok, prompts = reference_target()
+    if not pack_linears(model):
+        pytest.skip("torch has no oneDNN here")
+    return model, tok, prompts
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_equals_plain_greedy_with_onednn_linears(packed_reference, tmp_path, name):
+    honour_opt_out(name, "greedy")
+    model, tok, prompts = packed_reference
+    spec = drafters.get(name).example(model, tok, tmp_path)
+    engine = Engine(model, tok, spec.with_k(3))
+    drafts = 0
+    for ids in prompts:
+        cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, eos_token_ids=engine.eos_token_ids)
+        plain = generate_plain(TargetModel(model, tok), ids, cfg)
+        spec_out = engine.generate(ids, cfg)
+        assert spec_out.tokens == plain.tokens, f"{name} with oneDNN linears: greedy output differs"
+        drafts += spec_out.stats.num_drafts
+    assert drafts > 0, f"{name}: nothing was drafted, the test would be vacuous"
 
 
 # -------------------------------------------------------------------------------------------- lossless
