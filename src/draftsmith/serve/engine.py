@@ -110,6 +110,10 @@ class Engine:
         max_num_seqs: most sequences decoded together (vLLM ``--max-num-seqs``).
         max_num_batched_tokens: most tokens one step reads, decode and prefill (vLLM ``--max-num-batched-tokens``).
         max_waiting: most requests waiting to run; more are refused with ``EngineOverloaded`` (HTTP 429).
+        onednn: run the target's float32 CPU linears through oneDNN over weights packed once (``core.onednn``;
+            ``_pack``): ``off`` (default here: the model passed in is the caller's), ``on``, or ``auto`` (when the
+            packed copies fit in half the free memory; ``from_pretrained``'s default). Packing changes the
+            model's ``nn.Linear`` modules in place into ``PackedLinear`` (same parameters and state_dict).
 
     Attributes:
         drafter: the ``LoadedDrafter`` (None without speculation). target: the wrapped target.
