@@ -119,16 +119,22 @@ def test_greedy_equals_plain_greedy(served, target, name):
     honour_opt_out(name, "greedy")
     model, tok, prompts, spec = served(target, name)
     for k in (1, 3, 5):
-        engine = Engine(model, tok, spec.with_k(k))
-        drafts = 0
-        for ids in prompts:
-            cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, eos_token_ids=engine.eos_token_ids)
-            plain = generate_plain(TargetModel(model, tok), ids, cfg)
-            spec_out = engine.generate(ids, cfg)
-            assert spec_out.tokens == plain.tokens, f"{name} k={k} on {target}: greedy output differs"
-            assert spec_out.stats.num_draft_tokens <= k * spec_out.stats.num_drafts
-            drafts += spec_out.stats.num_drafts
-        assert drafts > 0, f"{name} k={k}: nothing was drafted, the test would be vacuous"
+        assert_greedy_equals_plain(model, tok, prompts, spec, k, f"{name} k={k} on {target}")
+
+
+def assert_greedy_equals_plain(model, tok, prompts, spec, k: int, what: str) -> None:
+    """Every prompt's greedy output through an engine drafting up to ``k`` equals plain greedy, and something was
+    drafted (else the check would be vacuous)."""
+    engine = Engine(model, tok, spec.with_k(k))
+    drafts = 0
+    for ids in prompts:
+        cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, eos_token_ids=engine.eos_token_ids)
+        plain = generate_plain(TargetModel(model, tok), ids, cfg)
+        spec_out = engine.generate(ids, cfg)
+        assert spec_out.tokens == plain.tokens, f"{what}: greedy output differs"
+        assert spec_out.stats.num_draft_tokens <= k * spec_out.stats.num_drafts
+        drafts += spec_out.stats.num_drafts
+    assert drafts > 0, f"{what}: nothing was drafted, the test would be vacuous"
 
 
 @pytest.fixture(scope="module")
@@ -146,15 +152,7 @@ def test_greedy_equals_plain_greedy_with_onednn_linears(packed_reference, tmp_pa
     honour_opt_out(name, "greedy")
     model, tok, prompts = packed_reference
     spec = drafters.get(name).example(model, tok, tmp_path)
-    engine = Engine(model, tok, spec.with_k(3))
-    drafts = 0
-    for ids in prompts:
-        cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, eos_token_ids=engine.eos_token_ids)
-        plain = generate_plain(TargetModel(model, tok), ids, cfg)
-        spec_out = engine.generate(ids, cfg)
-        assert spec_out.tokens == plain.tokens, f"{name} with oneDNN linears: greedy output differs"
-        drafts += spec_out.stats.num_drafts
-    assert drafts > 0, f"{name}: nothing was drafted, the test would be vacuous"
+    assert_greedy_equals_plain(model, tok, prompts, spec, 3, f"{name} k=3 with oneDNN linears")
 
 
 # -------------------------------------------------------------------------------------------- lossless
