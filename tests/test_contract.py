@@ -36,7 +36,7 @@ from conftest import make_tiny_llama, make_word_tokenizer
 from draftsmith import drafters, reference
 from draftsmith.core.batch import BatchDecoder, BatchSequence
 from draftsmith.core.generate import GenerationConfig, generate_plain
-from draftsmith.core.onednn import pack_linears
+from draftsmith.core.onednn import PackedLinear, pack_linears
 from draftsmith.core.target import TargetModel
 from draftsmith.drafters.speculative import SpeculativeConfig
 from draftsmith.serve.engine import Engine
@@ -122,10 +122,10 @@ def test_greedy_equals_plain_greedy(served, target, name):
         assert_greedy_equals_plain(model, tok, prompts, spec, k, f"{name} k={k} on {target}")
 
 
-def assert_greedy_equals_plain(model, tok, prompts, spec, k: int, what: str) -> None:
+def assert_greedy_equals_plain(model, tok, prompts, spec, k: int, what: str, onednn: str = "off") -> Engine:
     """Every prompt's greedy output through an engine drafting up to ``k`` equals plain greedy, and something was
-    drafted (else the check would be vacuous)."""
-    engine = Engine(model, tok, spec.with_k(k))
+    drafted (else the check would be vacuous); returns the engine."""
+    engine = Engine(model, tok, spec.with_k(k), onednn=onednn)
     drafts = 0
     for ids in prompts:
         cfg = GenerationConfig(max_new_tokens=24, temperature=0.0, eos_token_ids=engine.eos_token_ids)
@@ -135,12 +135,13 @@ def assert_greedy_equals_plain(model, tok, prompts, spec, k: int, what: str) -> 
         assert spec_out.stats.num_draft_tokens <= k * spec_out.stats.num_drafts
         drafts += spec_out.stats.num_drafts
     assert drafts > 0, f"{what}: nothing was drafted, the test would be vacuous"
+    return engine
 
 
 @pytest.fixture(scope="module")
 def packed_reference():
     """The reference target with its linears packed for oneDNN (``core.onednn``, as ``draftsmith serve`` runs it
-    on a CPU by default): its own copy, so the other contracts keep MKL's kernels."""
+    on a CPU by default, with the drafter's): its own copy, so the other contracts keep MKL's kernels."""
     model, tok, prompts = reference_target()
     if not pack_linears(model):
         pytest.skip("torch has no oneDNN here")
@@ -152,7 +153,12 @@ def test_greedy_equals_plain_greedy_with_onednn_linears(packed_reference, tmp_pa
     honour_opt_out(name, "greedy")
     model, tok, prompts = packed_reference
     spec = drafters.get(name).example(model, tok, tmp_path)
-    assert_greedy_equals_plain(model, tok, prompts, spec, 3, f"{name} k=3 with oneDNN linears")
+    engine = assert_greedy_equals_plain(model, tok, prompts, spec, 3, f"{name} k=3 with oneDNN linears", "on")
+    drafter_linears = [
+        m for module in engine.drafter.modules for m in module.modules() if isinstance(m, torch.nn.Linear)
+    ]
+    assert all(type(m) is PackedLinear for m in drafter_linears), f"{name}: the drafter's linears were not packed"
+    assert engine.packed_linears == len(drafter_linears)  # the target's were packed before the engine was built
 
 
 # -------------------------------------------------------------------------------------------- lossless

@@ -580,9 +580,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--onednn",
         choices=["auto", "on", "off"],
         default="auto",
-        help="run the target's float32 linear layers on the CPU through oneDNN with prepacked weights (a verify "
-        "step then costs about a one-token step; core/onednn.py); auto: when the packed copies fit in half the "
-        "free memory",
+        help="run the float32 linear layers of the target and the drafter on the CPU through oneDNN with prepacked "
+        "weights (a verify step then costs about a one-token step; core/onednn.py); auto: when the packed copies "
+        "fit in half the free memory",
     )
     p.add_argument(
         "--api-key",

@@ -46,13 +46,15 @@ class LoadedDrafter(abc.ABC):
         trained_depth: how many draft positions it was trained for (EAGLE-3 ``ttt_steps``), or None.
         max_k: most drafts per step it can make at all (an MLP speculator's ``n_predict``, a DFlash block's
             ``block_size - 1``), or None (no limit of its own): adaptive speculation drafts at most this.
-        modules: its torch modules (for memory and device checks).
+        modules: its own torch modules, not the target's (``Engine`` packs their linears for oneDNN with the
+            target's: ``core.onednn``); empty for a drafter without weights.
     """
 
     spec: SpeculativeConfig
     aux_layer_ids: tuple[int, ...] | None = None
     trained_depth: int | None = None
     max_k: int | None = None
+    modules: tuple[torch.nn.Module, ...] = ()
 
     @abc.abstractmethod
     def new_proposer(self, sampling: Sampling) -> Proposer:

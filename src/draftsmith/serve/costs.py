@@ -50,8 +50,9 @@ def _files_stamp(model: str | None) -> list:
     return sorted((p.name, p.stat().st_size, int(p.stat().st_mtime)) for p in Path(model).iterdir() if p.is_file())
 
 
-def cost_key(target: TargetModel, spec, k_max: int, batch_sizes: list[int]) -> dict:
-    """What a cached cost model must have been measured with (module docstring)."""
+def cost_key(target: TargetModel, spec, k_max: int, batch_sizes: list[int], drafter=None) -> dict:
+    """What a cached cost model must have been measured with (module docstring); ``drafter`` is the engine's
+    ``LoadedDrafter``, whose packed linears count as the target's do (oneDNN or MKL GEMMs)."""
     config = target.model.config
     param = next(target.model.parameters())
     return {
@@ -71,6 +72,11 @@ def cost_key(target: TargetModel, spec, k_max: int, batch_sizes: list[int]) -> d
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "torch": torch.__version__,
         "packed_linears": sum(type(m) is PackedLinear for m in target.model.modules()),  # oneDNN or MKL GEMMs
+        "drafter_packed_linears": sum(
+            type(m) is PackedLinear
+            for module in (drafter.modules if drafter is not None else ())
+            for m in module.modules()
+        ),
     }
 
 
@@ -83,7 +89,7 @@ def engine_cost_model(target: TargetModel, drafter, spec, k_max: int, max_num_se
         k_max: most drafts per step (a tree: its depth). max_num_seqs: the engine's batch bound.
     """
     sizes = profile_batch_sizes(max_num_seqs)
-    key = cost_key(target, spec, k_max, sizes)
+    key = cost_key(target, spec, k_max, sizes, drafter)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:20]
     path = cache_dir() / f"{spec.method}-{digest}.json"
     if path.is_file():

@@ -110,10 +110,11 @@ class Engine:
         max_num_seqs: most sequences decoded together (vLLM ``--max-num-seqs``).
         max_num_batched_tokens: most tokens one step reads, decode and prefill (vLLM ``--max-num-batched-tokens``).
         max_waiting: most requests waiting to run; more are refused with ``EngineOverloaded`` (HTTP 429).
-        onednn: run the target's float32 CPU linears through oneDNN over weights packed once (``core.onednn``;
-            ``_pack``): ``off`` (default here: the model passed in is the caller's), ``on``, or ``auto`` (when the
-            packed copies fit in half the free memory; ``from_pretrained``'s default). Packing changes the
-            model's ``nn.Linear`` modules in place into ``PackedLinear`` (same parameters and state_dict).
+        onednn: run the float32 CPU linears of the target and of the drafter (``LoadedDrafter.modules``) through
+            oneDNN over weights packed once (``core.onednn``; ``_pack``): ``off`` (default here: the model passed
+            in is the caller's), ``on``, or ``auto`` (when the packed copies fit in half the free memory;
+            ``from_pretrained``'s default). Packing changes the ``nn.Linear`` modules in place into
+            ``PackedLinear`` (same parameters and state_dict).
 
     Attributes:
         drafter: the ``LoadedDrafter`` (None without speculation). target: the wrapped target.
@@ -146,7 +147,8 @@ class Engine:
             if self.spec is not None
             else None
         )
-        self.packed_linears = self._pack(model, onednn)  # before the cost profile measures the forwards
+        modules = (model, *(self.drafter.modules if self.drafter is not None else ()))
+        self.packed_linears = self._pack(modules, onednn)  # before the cost profile measures the forwards
         aux_layer_ids = self.drafter.aux_layer_ids if self.drafter is not None else None
         self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
         self.k = self.spec.depth if self.spec is not None else 0  # a tree's counters run over its depths
@@ -176,20 +178,20 @@ class Engine:
             decoder, self.metrics, max_waiting=max_waiting, kv_capacity=max_num_seqs * self.max_model_len
         )
 
-    def _pack(self, model, onednn: str) -> int:
-        """Pack the target's linear layers for oneDNN (``core.onednn``) as ``onednn`` says:
-        ``on`` always (where oneDNN runs the weights), ``auto`` when the packed copies take at most half of the
-        free memory, ``off`` never. Returns the number of layers packed; logs the choice."""
+    def _pack(self, modules, onednn: str) -> int:
+        """Pack the linear layers of ``modules`` (the target, then the drafter's) for oneDNN (``core.onednn``) as
+        ``onednn`` says: ``on`` always (where oneDNN runs the weights), ``auto`` when the packed copies take at
+        most half of the free memory, ``off`` never. Returns the number of layers packed; logs the choice."""
         if onednn == "off":
             return 0
-        extra = packed_bytes(model)
+        extra = sum(packed_bytes(m) for m in modules)
         if extra == 0:
             return 0
         free = free_memory_bytes("cpu")
         if onednn == "auto" and extra > free // 2:
             logger.info("oneDNN linears: not packed (%.1f GiB of copies, %.1f GiB free)", extra / 2**30, free / 2**30)
             return 0
-        n = pack_linears(model)
+        n = sum(pack_linears(m) for m in modules)
         logger.info("oneDNN linears: %d packed (%.0f MiB of copies)", n, extra / 2**20)
         return n
 

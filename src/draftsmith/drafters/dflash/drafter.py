@@ -36,6 +36,7 @@ class LoadedDFlash(LoadedDrafter):
 
     def __init__(self, spec: SpeculativeConfig, head: DFlashHead):
         self.spec, self.head = spec, head
+        self.modules = (self.head,)
         self.aux_layer_ids = head.config.aux_layer_ids
         self.trained_depth = self.max_k = head.config.max_k
 

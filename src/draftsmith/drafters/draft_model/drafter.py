@@ -45,6 +45,7 @@ class LoadedDraftModel(LoadedDrafter):
 
     def __init__(self, spec: SpeculativeConfig, model, target_vocab_size: int):
         self.spec, self.model, self.target_vocab_size = spec, model, target_vocab_size
+        self.modules = (self.model,)
         DraftModelProposer(model, target_vocab_size)  # refuses a vocabulary size mismatch now
 
     def new_proposer(self, sampling: Sampling) -> Proposer:

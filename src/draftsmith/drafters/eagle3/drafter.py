@@ -35,6 +35,7 @@ class LoadedEagle3(LoadedDrafter):
 
     def __init__(self, spec: SpeculativeConfig, head: Eagle3Head, ttt_steps: int):
         self.spec, self.head = spec, head
+        self.modules = (self.head,)
         self.aux_layer_ids = tuple(head.config.aux_layer_ids)
         self.trained_depth = int(ttt_steps)
 

@@ -33,6 +33,7 @@ class LoadedMLPSpeculator(LoadedDrafter):
 
     def __init__(self, spec: SpeculativeConfig, head: MLPSpeculator):
         self.spec, self.head = spec, head
+        self.modules = (self.head,)
         self.trained_depth = self.max_k = head.config.n_predict
 
     def new_proposer(self, sampling: Sampling) -> Proposer:
