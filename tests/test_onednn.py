@@ -113,3 +113,26 @@ def test_dflash_reads_the_packed_target_lm_head_and_stays_lossless(tmp_path):
         finally:
             engine.close()
     assert out["dflash"] == out["plain"]
+
+
+def test_eval_rows_and_the_bench_serve_with_the_kernels_serve_uses(tmp_path):
+    """``eval.onednn`` and ``bench --onednn`` reach the engines: eval's rows pack the shared target and each row's
+    drafter (what ``draftsmith serve`` runs), and a bad mode is refused before anything loads."""
+    from draftsmith import drafters
+    from draftsmith.evaluation.bench_config import BenchConfig
+    from draftsmith.evaluation.config import EvalConfig
+    from draftsmith.models import load_causal_lm
+    from draftsmith.pipeline.stages import build_eval_rows
+
+    assert EvalConfig().onednn == "auto" and BenchConfig().onednn == "auto"
+    with pytest.raises(ValueError, match="onednn"):
+        EvalConfig(onednn="yes")
+    with pytest.raises(ValueError, match="onednn"):
+        BenchConfig(onednn="yes")
+    model, tok = load_causal_lm("reference", dtype="float32")
+    spec = drafters.get("mlp_speculator").example(model, tok, tmp_path)
+    (row,) = build_eval_rows({"mlp": spec}, model, tok, onednn="on").values()
+    assert type(model.lm_head) is PackedLinear
+    head = row.make_proposer().head
+    linears = [m for m in head.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is PackedLinear for m in linears)

@@ -869,7 +869,12 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
             for method, spec in specs.items():
                 try:
                     engines[method] = Engine(
-                        model, tokenizer, spec, model_name=cfg.target, max_model_len=cfg.max_model_len
+                        model,
+                        tokenizer,
+                        spec,
+                        model_name=cfg.target,
+                        max_model_len=cfg.max_model_len,
+                        onednn=cfg.onednn,  # the first engine packs the shared target, each its drafter
                     )
                 except ValueError as e:  # a k sweep past what this drafter drafts (an MLP speculator's n_predict)
                     if K_MARK not in method or "num_speculative_tokens" not in str(e):

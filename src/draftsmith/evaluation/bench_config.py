@@ -56,6 +56,8 @@ class BenchConfig:
             every batch (plain runs about as many batches as all the others together); 0: plain runs once per
             round in the rotation, and a batch is compared with plain's batch of the same round.
         threads: ``torch.set_num_threads`` for the whole run. dtype, device: of the in-process target.
+        onednn: the in-process engines' linear kernels (``serve.engine.Engine``, ``core.onednn``): auto (as
+            ``draftsmith serve``), on, or off (MKL).
         max_model_len: the in-process engines' limit (memory plan). hf_peer: also run HF assisted generation.
         control: also serve ``CONTROL``, a second no-speculation engine measured as a method (an A/A test): its
             speedup over the baseline is what this bench reads for a method equal to plain decoding, so its spread
@@ -81,6 +83,7 @@ class BenchConfig:
     threads: int = 2
     dtype: str = "float32"
     device: str = "cpu"
+    onednn: str = "auto"
     max_model_len: int | None = None
     hf_peer: bool = False
     control: bool = False
@@ -108,6 +111,8 @@ class BenchConfig:
             )
         if self.tree is not None:
             self.tree = str(TreeShape.parse(self.tree))  # refuses a bad shape now
+        if self.onednn not in ("auto", "on", "off"):
+            raise ValueError(f"onednn {self.onednn!r}: pass auto, on or off")
         if self.control and self.urls:
             raise ValueError("--control starts a second in-process plain server; it cannot measure --url servers")
 
@@ -323,6 +328,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--threads", type=arg.positive_int, default=d.threads)
     p.add_argument("--dtype", type=arg.dtype, default=d.dtype, help=", ".join(arg.DTYPE_NAMES))
     p.add_argument("--device", default=d.device)
+    p.add_argument(
+        "--onednn",
+        choices=["auto", "on", "off"],
+        default=d.onednn,
+        help="the in-process engines' float32 CPU linears through oneDNN with packed weights, as draftsmith serve "
+        "(default auto), or MKL (off)",
+    )
     p.add_argument("--max-model-len", type=arg.positive_int, default=d.max_model_len)
     p.add_argument("--hf-peer", action="store_true", help="also run transformers assisted generation")
     p.add_argument(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 from draftsmith.reference import TASK_NAMES
 
@@ -23,7 +24,12 @@ class EvalConfig:
     #: sequences decoded together (the batched runtime, ``core.batch``); 1 = one prompt at a time, methods
     #: interleaved per prompt. Counters (τ, acceptance) are the same either way; times are per batch.
     batch_size: int = 1
+    #: the float32 CPU linears of target and drafters through oneDNN over packed weights, as ``draftsmith serve``
+    #: runs them (``core.onednn``, ``serve.engine.Engine``): auto (where they fit in memory), on, off (MKL)
+    onednn: Literal["auto", "on", "off"] = "auto"
 
     def __post_init__(self):
         if isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) or self.batch_size < 1:
             raise ValueError(f"eval.batch_size must be an integer >= 1, got {self.batch_size!r}")
+        if self.onednn not in ("auto", "on", "off"):
+            raise ValueError(f"eval.onednn must be auto, on or off, got {self.onednn!r}")

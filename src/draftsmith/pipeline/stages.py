@@ -355,17 +355,21 @@ def build_eval_rows(
     allow_mismatch=(),
     max_num_seqs: int = 1,
     skipped: dict[str, str] | None = None,
+    onednn: str = "off",
 ) -> dict[str, EvalRow]:
     """An ``EvalRow`` per label, each drafter set up by ``serve.engine.Engine`` exactly as ``draftsmith serve``
     does: loaded once and checked against ``target`` (a mismatch is refused unless the field is in
-    ``allow_mismatch``); ``max_num_seqs``: the eval's batch size (what an ``auto`` row's cost model measures).
+    ``allow_mismatch``); ``max_num_seqs``: the eval's batch size (what an ``auto`` row's cost model measures);
+    ``onednn``: ``Engine``'s (the first row packs the shared target's linears, each row its drafter's).
     ``skipped`` (a k sweep): a row whose k the drafter cannot draft (e.g. k 8 past an MLP speculator's n_predict 5)
     is left out with its reason there, instead of raising."""
     greedy = GenerationConfig(temperature=0.0)
     rows = {}
     for label, spec in specs.items():
         try:
-            engine = Engine(target, tokenizer, spec, allow_mismatch=allow_mismatch, max_num_seqs=max_num_seqs)
+            engine = Engine(
+                target, tokenizer, spec, allow_mismatch=allow_mismatch, max_num_seqs=max_num_seqs, onednn=onednn
+            )
         except ValueError as e:
             if skipped is None or "@" not in label or "num_speculative_tokens" not in str(e):
                 raise
@@ -412,7 +416,13 @@ def run_eval(
         torch.set_num_threads(recipe.eval.threads)
     skipped: dict[str, str] = {}
     rows = build_eval_rows(
-        specs, target, tokenizer, allow_mismatch=allow_mismatch, max_num_seqs=recipe.eval.batch_size, skipped=skipped
+        specs,
+        target,
+        tokenizer,
+        allow_mismatch=allow_mismatch,
+        max_num_seqs=recipe.eval.batch_size,
+        skipped=skipped,
+        onednn=recipe.eval.onednn,
     )
     report = evaluate(target, tokenizer, reference.tasks(recipe.eval.tasks), rows, recipe.eval)
     report["target"] = recipe.target.name_or_path
