@@ -1,6 +1,7 @@
 """``draftsmith eval``: the recipe's drafter and labelled rows side by side, each at its own k, decoded for real."""
 
 import pytest
+import torch
 
 from draftsmith import reference
 from draftsmith.arguments import drafter as drafter_arg
@@ -84,6 +85,8 @@ def test_eval_decodes_each_row_at_its_own_k_with_draft_cost(tmp_path):
     report = run_eval(recipe, None, target, tok)
     rows = report["tasks"]["code-complete"]
     assert report["config"]["methods"] == ["sibling", "short"] and report["config"]["ks"] == {"sibling": 4, "short": 2}
+    assert report["config"]["onednn"] == "auto"  # the kernels draftsmith serve runs (core.onednn), recorded
+    assert report["config"]["packed_linears"] == (57 if torch.backends.mkldnn.is_available() else 0)
     for label, k in (("sibling", 4), ("short", 2)):
         row = rows[label]
         assert row["greedy_mismatches"] == 0 and len(row["accepted_per_pos"]) == k

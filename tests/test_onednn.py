@@ -119,12 +119,15 @@ def test_eval_rows_and_the_bench_serve_with_the_kernels_serve_uses(tmp_path):
     """``eval.onednn`` and ``bench --onednn`` reach the engines: eval's rows pack the shared target and each row's
     drafter (what ``draftsmith serve`` runs), and a bad mode is refused before anything loads."""
     from draftsmith import drafters
+    from draftsmith.cli import build_parser
     from draftsmith.evaluation.bench_config import BenchConfig
     from draftsmith.evaluation.config import EvalConfig
     from draftsmith.models import load_causal_lm
     from draftsmith.pipeline.stages import build_eval_rows
 
     assert EvalConfig().onednn == "auto" and BenchConfig().onednn == "auto"
+    assert build_parser().parse_args(["eval", "--onednn", "off"]).onednn == "off"
+    assert build_parser().parse_args(["bench", "--onednn", "off"]).onednn == "off"
     with pytest.raises(ValueError, match="onednn"):
         EvalConfig(onednn="yes")
     with pytest.raises(ValueError, match="onednn"):

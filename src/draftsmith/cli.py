@@ -249,6 +249,7 @@ def cmd_eval(args) -> int:
     if args.prompts_per_task is not None or not args.recipe:  # without a recipe: whole tasks
         recipe.eval.prompts_per_task = args.prompts_per_task
     recipe.eval.max_new_tokens = args.max_new_tokens or recipe.eval.max_new_tokens
+    recipe.eval.onednn = args.onednn or recipe.eval.onednn
     check_recipe_models(recipe, "eval")
     head = Path(args.head) if args.head else None
     own = recipe.drafter.method
@@ -468,6 +469,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="FIELD",
         help="target fields the head may differ in; logged and written into the eval report",
+    )
+    p.add_argument(
+        "--onednn",
+        choices=["auto", "on", "off"],
+        default=None,
+        help="the float32 CPU linears of target and drafters through oneDNN with packed weights, as draftsmith "
+        "serve runs them (core/onednn.py), or MKL (off); default: the recipe's eval.onednn (auto)",
     )
     p.set_defaults(fn=cmd_eval, overrides=[])
     p = _verb(sub, "generate", "decode one prompt, with or without speculation")

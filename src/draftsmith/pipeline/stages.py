@@ -26,6 +26,7 @@ from draftsmith import drafters, reference
 from draftsmith.config import from_dict, to_dict
 from draftsmith.core.aux_layers import default_aux_layer_ids
 from draftsmith.core.generate import GenerationConfig
+from draftsmith.core.onednn import PackedLinear
 from draftsmith.core.tree_shape import TreeShape
 from draftsmith.data_pipeline.dataset import render_dataset
 from draftsmith.data_pipeline.prepare import PreparedData, load_prepared, prepare
@@ -426,6 +427,8 @@ def run_eval(
     )
     report = evaluate(target, tokenizer, reference.tasks(recipe.eval.tasks), rows, recipe.eval)
     report["target"] = recipe.target.name_or_path
+    report["config"]["onednn"] = recipe.eval.onednn  # the linear kernels the rows ran on (core.onednn)
+    report["config"]["packed_linears"] = sum(type(m) is PackedLinear for m in target.modules())
     report["head"] = str(head_dir) if head_dir else None
     report["head_check"] = head_check.record() if head_check else None
     report["rows"] = {label: spec.to_dict() for label, spec in specs.items() if label in rows}
