@@ -27,6 +27,7 @@ from draftsmith.config import from_dict, to_dict
 from draftsmith.core.aux_layers import default_aux_layer_ids
 from draftsmith.core.generate import GenerationConfig
 from draftsmith.core.onednn import PackedLinear
+from draftsmith.core.rms_norm import fused_rms_norms
 from draftsmith.core.tree_shape import TreeShape
 from draftsmith.data_pipeline.dataset import render_dataset
 from draftsmith.data_pipeline.prepare import PreparedData, load_prepared, prepare
@@ -429,6 +430,7 @@ def run_eval(
     report["target"] = recipe.target.name_or_path
     report["config"]["onednn"] = recipe.eval.onednn  # the linear kernels the rows ran on (core.onednn)
     report["config"]["packed_linears"] = sum(type(m) is PackedLinear for m in target.modules())
+    report["config"]["fused_norms"] = fused_rms_norms(target)  # RMSNorms through F.rms_norm (core.rms_norm)
     report["head"] = str(head_dir) if head_dir else None
     report["head_check"] = head_check.record() if head_check else None
     report["rows"] = {label: spec.to_dict() for label, spec in specs.items() if label in rows}

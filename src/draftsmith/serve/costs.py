@@ -20,6 +20,7 @@ import torch
 from draftsmith.core.adaptive import AdaptivePolicy, CostModel
 from draftsmith.core.cost_profile import profile_costs
 from draftsmith.core.onednn import PackedLinear
+from draftsmith.core.rms_norm import fused_rms_norms
 from draftsmith.core.target import TargetModel
 
 logger = logging.getLogger(__name__)
@@ -76,6 +77,9 @@ def cost_key(target: TargetModel, spec, k_max: int, batch_sizes: list[int], draf
             type(m) is PackedLinear
             for module in (drafter.modules if drafter is not None else ())
             for m in module.modules()
+        ),
+        "fused_norms": sum(  # core.rms_norm: the target's and the drafter's RMSNorms through F.rms_norm
+            fused_rms_norms(module) for module in (target.model, *(drafter.modules if drafter is not None else ()))
         ),
     }
 

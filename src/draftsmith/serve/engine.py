@@ -47,6 +47,7 @@ from draftsmith.core.batch import BatchDecoder, BatchSequence
 from draftsmith.core.generate import GenerationConfig, GenerationResult, SpecStats, VerifyStep
 from draftsmith.core.onednn import ONEDNN_MODES, pack_linears, packed_bytes
 from draftsmith.core.proposer import Proposer
+from draftsmith.core.rms_norm import fuse_rms_norms
 from draftsmith.core.sampling import draft_seed
 from draftsmith.core.stops import StopStringFound, TextStream, stop_token_ids
 from draftsmith.core.target import TargetModel, resolve_max_model_len
@@ -114,7 +115,8 @@ class Engine:
             oneDNN over weights packed once (``core.onednn``; ``_pack``): ``off`` (default here: the model passed
             in is the caller's), ``on``, or ``auto`` (when the packed copies fit in half the free memory;
             ``from_pretrained``'s default). Packing changes the ``nn.Linear`` modules in place into
-            ``PackedLinear`` (same parameters and state_dict).
+            ``PackedLinear`` (same parameters and state_dict). Unless ``off``, the RMSNorms whose fused form
+            (``F.rms_norm``) gives bitwise their own output run fused too (``core.rms_norm``; on any device).
 
     Attributes:
         drafter: the ``LoadedDrafter`` (None without speculation). target: the wrapped target.
@@ -149,6 +151,8 @@ class Engine:
         )
         modules = (model, *(self.drafter.modules if self.drafter is not None else ()))
         self.packed_linears = self._pack(modules, onednn)  # before the cost profile measures the forwards
+        # torch's fused RMSNorm where it gives the same bits (core.rms_norm): part of the serving kernels
+        self.fused_norms = 0 if onednn == "off" else sum(fuse_rms_norms(m) for m in modules)
         aux_layer_ids = self.drafter.aux_layer_ids if self.drafter is not None else None
         self.target = TargetModel(model, tokenizer, aux_layer_ids=aux_layer_ids)
         self.k = self.spec.depth if self.spec is not None else 0  # a tree's counters run over its depths
