@@ -40,7 +40,7 @@ gpu_demo = _load_script("gpu_demo")
 
 def test_scripts_compile(tmp_path):
     py_compile.compile(str(SCRIPTS / "gpu_demo.py"), cfile=str(tmp_path / "gpu_demo.pyc"), doraise=True)
-    for name in ("gpu_demo.sh", "gpu_wheels.sh"):
+    for name in ("gpu_demo.sh", "gpu_wheels.sh", "gpu_env.sh", "gpu_checks.sh"):
         done = subprocess.run(["bash", "-n", str(SCRIPTS / name)], capture_output=True, text=True)
         assert done.returncode == 0, f"{name}: {done.stderr}"
 
@@ -289,3 +289,30 @@ def test_cuda_head_warm_starts_from_a_target_on_the_device():
     target, tokenizer = load_causal_lm("reference")
     target.to("cuda")
     assert "warm-starts" in gpu_demo.check_head_warm_start(target, tokenizer)
+
+
+def test_gpu_checks_runs_its_steps_on_a_cpu_and_packs_what_it_made(tmp_path):
+    """bench/gpu_checks.sh with DRAFTSMITH_CHECK_DEVICE=cpu and a budget that leaves room for its first steps only:
+    env and dflash_cost run (rc=0), the steps past the budget are skipped, and the logs come back packed."""
+    import tarfile
+
+    from draftsmith import drafters, reference
+
+    model, tok = reference.target()
+    head = drafters.get("eagle3").example(model, tok, tmp_path / "heads").model
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "PYTHON": sys.executable,
+        "DRAFTSMITH_CHECK_DEVICE": "cpu",
+        "DRAFTSMITH_WHEELS": str(tmp_path / "no-wheels"),  # the GPU machine's wheels are not for this one
+    }
+    env.pop("PYTHONPATH", None)
+    done = subprocess.run(
+        ["bash", str(SCRIPTS / "gpu_checks.sh"), head, "25"], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stderr
+    assert "== env: rc=0" in done.stdout and "== gpu_demo: skipped" in done.stdout, done.stdout
+    with tarfile.open(out / "gpu_checks.tar.gz") as tar:
+        assert "./env.log" in tar.getnames()
