@@ -79,7 +79,9 @@ def build_vocab_map(counts: torch.Tensor, draft_vocab_size: int, always_include:
 
 
 def validate_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """Raise ValueError unless every draft id maps to a distinct in-range target id marked in t2d."""
+    """Raise ValueError unless every draft id maps to a distinct in-range target id marked in t2d (on any device:
+    the check runs on CPU copies)."""
+    d2t, t2d = d2t.detach().cpu(), t2d.detach().cpu()
     target = torch.arange(d2t.numel()) + d2t
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= t2d.numel()):
         raise ValueError(f"d2t maps draft ids outside the target vocab 0..{t2d.numel() - 1}")
