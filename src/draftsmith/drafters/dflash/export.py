@@ -169,7 +169,7 @@ def export_dflash(
     out_dir = Path(out_dir)
     c = head.config
     _fits_target(c, target_identity, "export")
-    sd = {name: t.detach().cpu() for name, t in head.export_state_dict().items()}  # a head trained on a GPU too
+    sd = head.export_state_dict()
     dtype = str(sd["fc.weight"].dtype).removeprefix("torch.")
     with staged_directory(out_dir) as tmp:
         save_safetensors(sd, tmp / WEIGHTS_FILE)

@@ -126,7 +126,7 @@ def export_eagle3(
     hc = head.config.to_dict()
     target_cfg = config_dict(target_config)
     _check_head_fits_target(hc, target_cfg)
-    sd = {name: t.detach().cpu() for name, t in head.export_state_dict().items()}  # a head trained on a GPU too
+    sd = head.export_state_dict()
     validate_state_dict(sd, hc, "export")
     dtype = str(sd["fc.weight"].dtype).removeprefix("torch.")
     ttt_steps = int(hc.get("ttt_steps", 7))

@@ -130,7 +130,7 @@ def export_mlp_speculator(
     out_dir = Path(out_dir)
     hc = head.config
     _fits_target(hc, target_identity.get("hidden_size"), target_identity.get("vocab_size"), "export")
-    sd = {name: t.detach().cpu() for name, t in head.export_state_dict().items()}  # a head trained on a GPU too
+    sd = head.export_state_dict()
     dtype = str(sd["proj.0.weight"].dtype).removeprefix("torch.")
     with staged_directory(out_dir) as tmp:
         save_safetensors(sd, tmp / WEIGHTS_FILE)
