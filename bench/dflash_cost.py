@@ -6,7 +6,9 @@ one drafting step reads (at these batch-1 sizes a step is bound by reading its w
 exported drafters are measured as served; ``--layers`` adds untrained DFlash drafters of other depths (cost does
 not depend on the weights' values), of the trained one's geometry, or without ``--dflash`` of the reference recipe's
 (block 8, target layers 1, 3, 6). On a GPU (``--device cuda``) each ``propose`` is timed between two
-``torch.cuda.synchronize()`` calls, so a figure is the whole step, kernels and launches.
+``torch.cuda.synchronize()`` calls, so a figure is the whole step, kernels and launches. Unless ``--onednn off``,
+every RMSNorm runs as the engine serves it (``core.rms_norm.fuse_rms_norms``: torch's fused kernel wherever it gives
+the same bits on this device), target and drafters alike.
 
 Run: python bench/dflash_cost.py --dflash runs/reference-dflash/head --eagle3 runs/reference-eagle3/head \\
          [--threads 1] [--context 256] [--k 3 5 7] [--layers 1 2] [--onednn off|target|all] [--device cuda]
@@ -22,6 +24,7 @@ import torch
 
 from draftsmith.arguments import ArgumentParser, run_guarded
 from draftsmith.core.onednn import pack_linears
+from draftsmith.core.rms_norm import fuse_rms_norms
 from draftsmith.core.target import TargetModel
 from draftsmith.drafters.dflash.config import Section
 from draftsmith.drafters.dflash.export import load_dflash
@@ -94,6 +97,8 @@ def main(argv=None) -> int:
     if a.onednn == "all":
         for head in drafters.values():
             pack_linears(head)
+    # the engine's other serving kernel (serve/engine.py): fused RMSNorms where they give the same bits
+    fused = 0 if a.onednn == "off" else sum(fuse_rms_norms(m) for m in (model, *drafters.values()))
     proposers = {}
     for name, head in drafters.items():
         if name == "eagle3":
@@ -123,7 +128,7 @@ def main(argv=None) -> int:
     print(
         f"torch {torch.__version__}, device {where}, {a.threads} thread(s), capability "
         f"{torch.backends.cpu.get_cpu_capability()}, {cpu}; context {a.context} tokens; median of {a.repeats}; "
-        f"oneDNN linears: {a.onednn if device.type == 'cpu' else 'n/a'}"
+        f"oneDNN linears: {a.onednn if device.type == 'cpu' else 'n/a'}; fused RMSNorms: {fused}"
     )
     print(f"{'drafter':34s} {'k':>2s} {'propose ms':>10s} {'ms/token':>9s} {'vs eagle3':>9s} {'MB read':>8s}")
     for k in a.k:

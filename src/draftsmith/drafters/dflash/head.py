@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, rotate_half
 
 from draftsmith.core.aux_layers import aux_layer_order_problem
 from draftsmith.core.onednn import PackedLinear
@@ -153,6 +153,14 @@ class DFlashConfig:
         )
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of ONE tensor x [B, heads, T, hd] with cos, sin [B, T, hd] (neox layout): the ops, and so the bits, of
+    transformers' ``apply_rotary_pos_emb(x, ...)[0]``, which also rotates its second argument (twice the work when
+    the same tensor is passed as both)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return (x * cos) + (rotate_half(x) * sin)
+
+
 class DFlashAttention(nn.Module):
     """Qwen3 attention (per-head q_norm / k_norm) whose keys are the context's followed by the block's."""
 
@@ -170,7 +178,7 @@ class DFlashAttention(nn.Module):
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)  # [B, nkv, T, hd]
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        k = apply_rotary_pos_emb(k, k, cos, sin)[0]
+        k = rotate(k, cos, sin)
         return k, v
 
     def context_kv(self, context: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,7 +190,7 @@ class DFlashAttention(nn.Module):
         None (every query sees every key: the runtime's one block)."""
         b, t, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)  # [B, nh, Q, hd]
-        q = apply_rotary_pos_emb(q, q, cos, sin)[0]
+        q = rotate(q, cos, sin)
         k, v = self._kv(x, cos, sin)
         k, v = torch.cat([ctx_k.to(k.dtype), k], dim=2), torch.cat([ctx_v.to(v.dtype), v], dim=2)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv)

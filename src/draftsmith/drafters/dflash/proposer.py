@@ -11,8 +11,9 @@ After verification of [x_{p+1}, d1..dk'] with n accepted, verify rows 0..n read 
 become context entries p+1 .. p+1+n, and the new block starts with the target's token ``emitted[n]``. Rejected
 drafts never enter the context, so nothing is ever cropped.
 
-Drafts at temperature 0 are the argmax of each position's logits (q None). With temperature > 0 each draft is drawn
-from its position's q = logits_to_probs(processed logits) (``core.proposer.Sampling.draw``) and q is returned:
+Drafts at temperature 0 are the argmax of each position's logits (q None), taken for the whole block at once (one
+device-to-host copy). With temperature > 0 each draft is drawn from its position's q = logits_to_probs(processed
+logits) (``core.proposer.Sampling.draw``) and q is returned:
 rejection sampling only needs each d_j to be drawn from the q_j it is verified with (Leviathan et al. 2023), and
 q_j here depends on the context alone, not on d_1..d_{j-1}, which is still a valid proposal. k past the trained
 block (block_size - 1) is refused, as the drafter has no trained position for it.
@@ -100,6 +101,8 @@ class DFlashProposer(Proposer):
         positions = torch.arange(self.length, self.length + k + 1, device=self.device)[None]
         hidden = self.head.block(ids, positions, [tuple(e) for e in self.kv])  # [1, k+1, H]
         logits = self.head.logits(hidden[0, 1:])  # [k, V]
+        if self.sampling.plain_greedy:  # every position's argmax at once: one device-to-host copy, not k
+            return Proposal(logits.argmax(-1).cpu())
         tokens, qs = [], []
         for j in range(k):
             token, q = self.sampling.draw(logits[j], self.generator, tokens)
@@ -192,8 +195,12 @@ class BatchDFlashProposer(BatchProposer):
         sees_block = torch.arange(q_len, device=dev)[None] <= k_b[:, None]  # [B', Q]
         mask = torch.cat([sees_ctx, sees_block], dim=1)[:, None, None, :].expand(-1, 1, q_len, -1)
         logits = self.head.logits(self.head.block(ids, positions, ctx_kv, mask)[:, 1:])  # [B', Q-1, V]
+        greedy = logits.argmax(-1).cpu() if any(r.sampling.plain_greedy for r in active) else None  # [B', Q-1]
         for i, b in enumerate(drafting):
             row, tokens, qs = rows[b], [], []
+            if row.sampling.plain_greedy:
+                out[b] = Proposal(greedy[i, : ks[b]].clone())
+                continue
             for j in range(ks[b]):
                 token, q = row.sampling.draw(logits[i, j], row.generator, tokens)
                 tokens.append(token)
