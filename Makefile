@@ -9,6 +9,8 @@ STAMP := $(VENV)/.draftsmith-installed
 TEST_STAMP := $(VENV)/.draftsmith-test-extras
 TORCH_INDEX ?=
 PYTEST_ARGS ?=
+# test processes (pytest-xdist): one per core; each runs torch on one thread (tests/conftest.py)
+PYTEST_WORKERS ?= auto
 
 .PHONY: demo test test-fast lint install clean-runs
 
@@ -41,10 +43,10 @@ lint: $(TEST_STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint
-	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 test-fast: $(TEST_STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "not slow" $(PYTEST_ARGS)
 
 clean-runs:
 	rm -rf runs
