@@ -2,6 +2,7 @@
 
     python bench/adaptive_grid.py --rounds 2 5 4 --out runs/adaptive-grid        # the reference target, ~50 min
     python bench/adaptive_grid.py --tasks code-edit --concurrency 1 --num-prompts 4 --out /tmp/grid   # a smoke run
+    python bench/adaptive_grid.py --device cuda --threads 4 --out runs/adaptive-grid-cuda            # on a lent GPU
 
 For each task, one ``draftsmith bench`` run (``evaluation.bench.run_bench``) serves plain decoding and every
 drafter at each fixed k (default 1 3 5 8) and at ``auto``, at every concurrency (default 1 8 32), over that task's
@@ -61,6 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", nargs="+", type=int, default=[1], help="one value, or one per --concurrency level")
     p.add_argument("--baseline-every", type=int, default=1, help="a plain batch after every N others (0: unpaired)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="of the target and the drafters (cuda: on a lent GPU)")
     p.add_argument(
         "--control", action=argparse.BooleanOptionalAction, default=True, help="the A/A control (module docstring)"
     )
@@ -245,6 +247,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_causal_lm(args.target, dtype="float32", role="target")
+    model.to(args.device)
     reports = {}
     for task in tasks:
         cfg = BenchConfig(
@@ -260,6 +263,7 @@ def main(argv=None) -> int:
             rounds=args.rounds,
             baseline_every=args.baseline_every,
             threads=args.threads,
+            device=args.device,
             control=args.control,
             out=str(out / task),
         )
@@ -268,7 +272,11 @@ def main(argv=None) -> int:
     grid = cells(reports, args.ks, args.methods)
     result = summary(grid, args.ks)
     text = table(grid, args.ks, result)
-    cpu = torch.backends.cpu.get_cpu_capability()
+    where = (
+        torch.cuda.get_device_name(args.device)
+        if args.device.startswith("cuda")
+        else f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
     paired = (
         f"the plain batches just before and after (one after every {args.baseline_every})"
         if args.baseline_every
@@ -277,7 +285,7 @@ def main(argv=None) -> int:
     header = (
         f"reference grid: tasks {', '.join(tasks)}; {args.num_prompts} prompts x {args.max_tokens} tokens per task; "
         f"concurrency {args.concurrency}; rounds {args.rounds} (per level) of one run per cell, speedup = median "
-        f"over rounds of the ratio to {paired}; torch threads {args.threads}; CPU capability {cpu}"
+        f"over rounds of the ratio to {paired}; torch threads {args.threads}; {where}"
     )
     print(header + "\n\n" + text)
     (out / "grid.md").write_text(header + "\n\n" + text + "\n")
