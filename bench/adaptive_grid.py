@@ -3,6 +3,7 @@
     python bench/adaptive_grid.py --rounds 2 5 4 --out runs/adaptive-grid        # the reference target, ~50 min
     python bench/adaptive_grid.py --tasks code-edit --concurrency 1 --num-prompts 4 --out /tmp/grid   # a smoke run
     python bench/adaptive_grid.py --device cuda --threads 4 --out runs/adaptive-grid-cuda            # on a lent GPU
+    python bench/adaptive_grid.py --ks 3 --rounds 3 --from-reports --out runs/adaptive-grid-r3  # re-summarise a run
 
 For each task, one ``draftsmith bench`` run (``evaluation.bench.run_bench``) serves plain decoding and every
 drafter at each fixed k (default 1 3 5 8) and at ``auto``, at every concurrency (default 1 8 32), over that task's
@@ -24,7 +25,9 @@ Printed and written to ``--out`` (``grid.json``, ``grid.md``, ``grid.png``, and 
   - the A/A control (``--control``, on by default: ``BenchConfig.control``): a second plain server measured like
     every method, once per (task, c). It is plain decoding, so the cells where IT reads < 0.97x show how often
     the bench fails the bar with no speculation at all, and the expected count of such cells among ``auto``'s
-    if auto were exactly plain (the control's rate x auto's cells) is what ``auto``'s own count compares with.
+    if auto were exactly plain (the control's rate x auto's cells) is what ``auto``'s own count compares with;
+  - with ``--rounds`` >= 2, the cells below 0.97x in EVERY round, for ``auto`` and for the control: a cell's
+    median can fall below the bar on one slow batch, a reading in every round says more.
 The cost models ``auto`` uses are measured at the first engine start and cached (``serve/costs.py``).
 """
 
@@ -67,6 +70,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--control", action=argparse.BooleanOptionalAction, default=True, help="the A/A control (module docstring)"
     )
     p.add_argument("--out", default="runs/adaptive-grid")
+    p.add_argument(
+        "--from-reports",
+        action="store_true",
+        help="summarise the bench reports already under --out (OUT/TASK/report.json) instead of running them",
+    )
     return p.parse_args(argv)
 
 
@@ -88,17 +96,31 @@ def cells(reports: dict, ks: list, methods: list) -> list[dict]:
                 cell["plain_pair_spread"] = statistics.median(pairs) if pairs else None
                 control = report["methods"].get(CONTROL, {}).get("per_concurrency", [])
                 cell["control"] = control[i].get("speedup") if i < len(control) else None
+                cell["control_rounds"] = round_ratios(control[i]) if i < len(control) else []
                 for k in [*ks, "auto"]:
                     name = f"{method}@{'auto' if k == 'auto' else f'k{k}'}"
                     rows = report["methods"].get(name, {}).get("per_concurrency", [])
                     row = rows[i] if i < len(rows) else {}
                     cell[str(k)] = row.get("speedup")
                     if k == "auto":
+                        cell["auto_rounds"] = round_ratios(row)
                         cell["auto_mean_k"] = row.get("mean_chosen_k")
                         cell["auto_failed"] = row.get("failed")
                         cell["auto_greedy_mismatches"] = row.get("greedy_mismatches")
                 out.append(cell)
     return out
+
+
+def round_ratios(row: dict) -> list[float]:
+    """A bench row's speedup in each of its rounds: its output tokens/s ÷ the paired plain batches' (the speedup
+    is their median); [] when the row has no paired rounds."""
+    rounds, paired = row.get("output_tokens_per_s_rounds") or [], row.get("paired_baseline_tokens_per_s") or []
+    return [a / b for a, b in zip(rounds, paired) if a and b]
+
+
+def below_every_round(values: list[float]) -> bool:
+    """Below the bar in each of two or more rounds: a reading one noisy batch cannot explain."""
+    return len(values) > 1 and max(values) < BAR
 
 
 def geometric_mean(values) -> float:
@@ -126,9 +148,21 @@ def summary(grid: list[dict], ks: list) -> dict:
     auto_cells = sum(c["auto"] is not None for c in grid)
     spreads = [c["plain_spread"] for c in grid if c.get("plain_spread")]
     pair_spreads = [c["plain_pair_spread"] for c in grid if c.get("plain_pair_spread")]
+    control_rounds = {(c["task"], c["concurrency"]): c.get("control_rounds") or [] for c in grid}
     return {
         "cells": len(grid),
         "auto_below_bar": [(c["task"], c["drafter"], c["concurrency"], round(c["auto"], 3)) for c in below],
+        # below in every round (with >= 2 rounds): the cells the bench says are slower, not only read slower
+        "auto_below_every_round": [
+            (c["task"], c["drafter"], c["concurrency"], [round(r, 3) for r in c["auto_rounds"]])
+            for c in below
+            if below_every_round(c.get("auto_rounds") or [])
+        ],
+        "control_below_every_round": sorted(
+            (task, conc, [round(r, 3) for r in rounds])
+            for (task, conc), rounds in control_rounds.items()
+            if below_every_round(rounds)
+        ),
         "auto_min": min((c["auto"] for c in grid if c["auto"] is not None), default=None),
         "geomean": per_k,
         "best_fixed_k": best,
@@ -194,6 +228,16 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
             if result.get("control_cells")
             else []
         ),
+        *(
+            [
+                f"below {BAR}x in every one of its rounds: auto in {len(result['auto_below_every_round'])} of "
+                f"{result['cells']} cells {result['auto_below_every_round'] or ''}; the A/A control in "
+                f"{len(result['control_below_every_round'])} of {result['control_cells']} "
+                f"{result['control_below_every_round'] or ''}",
+            ]
+            if any(len(c.get("auto_rounds") or []) > 1 for c in grid)
+            else []
+        ),
         f"plain's own spread (the cells' resolution): between consecutive plain batches (faster / slower) median "
         f"{result['plain_pair_spread_median']}, largest {result['plain_pair_spread_max']}; fastest / slowest of all "
         f"its batches median {result['plain_spread_median']}, largest {result['plain_spread_max']}",
@@ -232,20 +276,28 @@ def plot(grid: list[dict], ks: list, methods: list, path: Path) -> None:
     plt.close(fig)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    import torch
+def load_reports(args: argparse.Namespace, tasks: list[str], out: Path) -> dict | None:
+    """The bench reports saved under ``out`` (``--from-reports``), one per task; ``args`` takes the run's own settings
+    (what the header names), not this call's defaults. None (after saying so) when a task has none."""
+    missing = [task for task in tasks if not (out / task / "report.json").is_file()]
+    if missing:
+        print(f"no bench report for {missing} under {out}: run the grid without --from-reports first")
+        return None
+    reports = {task: json.loads((out / task / "report.json").read_text()) for task in tasks}
+    run = reports[tasks[0]]["config"]
+    for key in ("num_prompts", "max_tokens", "concurrency", "rounds", "baseline_every", "threads", "device", "torch"):
+        setattr(args, key, run.get(key))
+    args.ks = [k for k in run["k"] if k != "auto"]
+    args.methods = [m for m in run["methods"] if m in DRAFTERS]
+    return reports
 
+
+def run_reports(args: argparse.Namespace, tasks: list[str], out: Path) -> dict:
+    """One ``draftsmith bench`` run per task (module docstring), each report written under ``out / task``."""
     from draftsmith.evaluation.bench import run_bench, write_report
     from draftsmith.evaluation.bench_config import BenchConfig
     from draftsmith.models import load_causal_lm
-    from draftsmith.reference import TASK_NAMES
 
-    torch.set_num_threads(args.threads)
-    tasks = args.tasks or list(TASK_NAMES)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     model, tokenizer = load_causal_lm(args.target, dtype="float32", role="target")
     model.to(args.device)
     reports = {}
@@ -269,14 +321,35 @@ def main(argv=None) -> int:
         )
         reports[task] = run_bench(cfg, model, tokenizer)
         write_report(reports[task], out / task)
+    return reports
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+    import torch
+
+    from draftsmith.reference import TASK_NAMES
+
+    torch.set_num_threads(args.threads)
+    tasks = args.tasks or list(TASK_NAMES)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.from_reports:
+        reports = load_reports(args, tasks, out)
+        if reports is None:
+            return 2
+    else:
+        reports = run_reports(args, tasks, out)
     grid = cells(reports, args.ks, args.methods)
     result = summary(grid, args.ks)
     text = table(grid, args.ks, result)
-    where = (
-        torch.cuda.get_device_name(args.device)
-        if args.device.startswith("cuda")
-        else f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
-    )
+    if args.from_reports:
+        where = f"device {args.device} (torch {args.torch}), summarised from the saved reports"
+    elif args.device.startswith("cuda"):
+        where = torch.cuda.get_device_name(args.device)
+    else:
+        where = f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
     paired = (
         f"the plain batches just before and after (one after every {args.baseline_every})"
         if args.baseline_every

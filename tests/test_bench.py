@@ -468,3 +468,69 @@ def test_the_grid_counts_the_aa_controls_cells_below_the_bar():
     assert len(result["auto_below_bar"]) == 2 and result["control_range"] == [0.95, 1.01]
     text = grid_mod.table(cells, [1], result)
     assert "A/A control" in text and "in 2.0 of auto's 4 cells" in text
+
+
+def test_the_grid_names_cells_below_the_bar_in_every_round_and_resummarises_saved_reports(tmp_path, capsys):
+    """A cell's per-round speedups are its rounds' tokens/s over their paired plain batches; the grid lists the
+    cells below the bar in every round (auto's and the control's) apart from those whose median alone is, and
+    ``--from-reports`` rebuilds the grid from the saved reports with the run's own settings."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_grid.py"
+    spec = importlib.util.spec_from_file_location("adaptive_grid_rounds", path)
+    grid_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid_mod)
+
+    def row(rounds, paired=(100.0, 100.0, 100.0)):
+        ratios = sorted(a / b for a, b in zip(rounds, paired))
+        return {
+            "speedup": ratios[len(ratios) // 2],
+            "output_tokens_per_s_rounds": list(rounds),
+            "paired_baseline_tokens_per_s": list(paired),
+            "mean_chosen_k": 0.0,
+        }
+
+    plain = row((100.0, 100.0, 100.0))
+    methods = {
+        "none": {"per_concurrency": [plain]},
+        "none-control": {"per_concurrency": [row((96.0, 90.0, 99.0))]},  # median 0.96, one round above
+        "x@k3": {"per_concurrency": [row((110.0, 108.0, 112.0))]},
+        "x@auto": {"per_concurrency": [row((95.0, 93.0, 96.0))]},  # below in every round
+        "ngram@k3": {"per_concurrency": [row((101.0, 99.0, 100.0))]},
+        "ngram@auto": {"per_concurrency": [row((96.0, 99.0, 95.0))]},  # median 0.96, one round above
+    }
+    assert grid_mod.round_ratios(methods["x@auto"]["per_concurrency"][0]) == [0.95, 0.93, 0.96]
+    assert not grid_mod.below_every_round([0.9]) and grid_mod.below_every_round([0.95, 0.96])
+    report = {"concurrency": [8], "methods": methods}
+    cells = grid_mod.cells({"t": report}, [3], ["x", "ngram"])
+    result = grid_mod.summary(cells, [3])
+    assert [c[:3] for c in result["auto_below_bar"]] == [("t", "x", 8), ("t", "ngram", 8)]
+    assert result["auto_below_every_round"] == [("t", "x", 8, [0.95, 0.93, 0.96])]
+    assert result["control_below_every_round"] == []
+    text = grid_mod.table(cells, [3], result)
+    assert "in every one of its rounds: auto in 1 of 2 cells" in text and "the A/A control in 0 of 1" in text
+
+    config = {
+        "methods": ["none", "ngram"],
+        "k": [3, "auto"],
+        "num_prompts": 2,
+        "max_tokens": 16,
+        "concurrency": [8],
+        "rounds": [3],
+        "baseline_every": 2,
+        "threads": 1,
+        "device": "cpu",
+        "torch": "x",
+    }
+    methods = {name: m for name, m in methods.items() if not name.startswith("x@")}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "report.json").write_text(json.dumps({**report, "methods": methods, "config": config}))
+    argv = ["--tasks", "t", "--from-reports", "--out", str(tmp_path)]
+    assert grid_mod.main(argv) == 0
+    saved = json.loads((tmp_path / "grid.json").read_text())
+    assert [c["drafter"] for c in saved["cells"]] == ["ngram"] and saved["summary"]["auto_below_every_round"] == []
+    assert "rounds [3]" in (tmp_path / "grid.md").read_text() and (tmp_path / "grid.png").is_file()
+    assert grid_mod.main(["--tasks", "u", "--from-reports", "--out", str(tmp_path)]) == 2
+    assert "no bench report for ['u']" in capsys.readouterr().out
