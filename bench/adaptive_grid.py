@@ -3,7 +3,7 @@
     python bench/adaptive_grid.py --rounds 2 5 4 --out runs/adaptive-grid        # the reference target, ~50 min
     python bench/adaptive_grid.py --tasks code-edit --concurrency 1 --num-prompts 4 --out /tmp/grid   # a smoke run
     python bench/adaptive_grid.py --device cuda --threads 4 --out runs/adaptive-grid-cuda            # on a lent GPU
-    python bench/adaptive_grid.py --ks 3 --rounds 3 --from-reports --out runs/adaptive-grid-r3  # re-summarise a run
+    python bench/adaptive_grid.py --from-reports --out runs/adaptive-grid-r3        # re-summarise a saved run
 
 For each task, one ``draftsmith bench`` run (``evaluation.bench.run_bench``) serves plain decoding and every
 drafter at each fixed k (default 1 3 5 8) and at ``auto``, at every concurrency (default 1 8 32), over that task's
@@ -80,6 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def cells(reports: dict, ks: list, methods: list) -> list[dict]:
     """One dict per (task, drafter, c): speedup per k label and auto, auto's mean chosen k."""
+    from draftsmith.evaluation.bench import round_speedups
     from draftsmith.evaluation.bench_config import CONTROL
 
     out = []
@@ -88,6 +89,7 @@ def cells(reports: dict, ks: list, methods: list) -> list[dict]:
             for i, c in enumerate(report["concurrency"]):
                 cell = {"task": task, "drafter": method, "concurrency": c}
                 plain = report["methods"].get("none", {}).get("per_concurrency", [])
+                base = plain[i] if i < len(plain) else {}
                 rounds = plain[i].get("output_tokens_per_s_rounds") or [] if i < len(plain) else []
                 # the resolution of the cell: plain decoding's own spread at this c, over all its batches and
                 # between consecutive ones (what pairing compares)
@@ -96,26 +98,19 @@ def cells(reports: dict, ks: list, methods: list) -> list[dict]:
                 cell["plain_pair_spread"] = statistics.median(pairs) if pairs else None
                 control = report["methods"].get(CONTROL, {}).get("per_concurrency", [])
                 cell["control"] = control[i].get("speedup") if i < len(control) else None
-                cell["control_rounds"] = round_ratios(control[i]) if i < len(control) else []
+                cell["control_rounds"] = round_speedups(control[i], base) if i < len(control) else []
                 for k in [*ks, "auto"]:
                     name = f"{method}@{'auto' if k == 'auto' else f'k{k}'}"
                     rows = report["methods"].get(name, {}).get("per_concurrency", [])
                     row = rows[i] if i < len(rows) else {}
                     cell[str(k)] = row.get("speedup")
                     if k == "auto":
-                        cell["auto_rounds"] = round_ratios(row)
+                        cell["auto_rounds"] = round_speedups(row, base) if row else []
                         cell["auto_mean_k"] = row.get("mean_chosen_k")
                         cell["auto_failed"] = row.get("failed")
                         cell["auto_greedy_mismatches"] = row.get("greedy_mismatches")
                 out.append(cell)
     return out
-
-
-def round_ratios(row: dict) -> list[float]:
-    """A bench row's speedup in each of its rounds: its output tokens/s ÷ the paired plain batches' (the speedup
-    is their median); [] when the row has no paired rounds."""
-    rounds, paired = row.get("output_tokens_per_s_rounds") or [], row.get("paired_baseline_tokens_per_s") or []
-    return [a / b for a, b in zip(rounds, paired) if a and b]
 
 
 def below_every_round(values: list[float]) -> bool:

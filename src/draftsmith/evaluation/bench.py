@@ -276,6 +276,15 @@ def verdict(speedup: float | None) -> str:
     return format_speedup(speedup) + ": " + ("worth enabling" if speedup >= 1.0 else "not worth enabling")
 
 
+def round_speedups(row: dict, base: dict) -> list[float]:
+    """``row``'s speedup in each round over the ``base`` (plain) row: its tokens/s ÷ the plain batches bracketing
+    it when the measurement was paired (``paired_baseline_tokens_per_s``), else ÷ the base's batch of the same
+    round (rounds beyond the shorter list, and rounds where the base made no tokens, are left out)."""
+    paired = row.get("paired_baseline_tokens_per_s") or []
+    bases = paired if paired and None not in paired else base.get("output_tokens_per_s_rounds") or []
+    return [a / b for a, b in zip(row.get("output_tokens_per_s_rounds") or [], bases) if b and b > 0]
+
+
 def add_verdicts(rows: dict[str, dict], baseline: str = BASELINE, prefix: str = "") -> None:
     """Set ``speedup`` and ``verdict`` on every row whose name starts with ``prefix`` (baseline included, 1.0).
 
@@ -290,9 +299,7 @@ def add_verdicts(rows: dict[str, dict], baseline: str = BASELINE, prefix: str = 
         if base is None:
             row["speedup"], row["verdict"] = None, "n/a (no baseline run)"
             continue
-        paired = row.get("paired_baseline_tokens_per_s") or []
-        bases = paired if paired and None not in paired else base["output_tokens_per_s_rounds"]
-        ratios = [a / b for a, b in zip(row["output_tokens_per_s_rounds"], bases) if b and b > 0]
+        ratios = round_speedups(row, base)
         row["speedup"] = statistics.median(ratios) if ratios else None
         if name == baseline:
             row["verdict"] = "baseline"
