@@ -4,6 +4,7 @@
     python bench/adaptive_grid.py --tasks code-edit --concurrency 1 --num-prompts 4 --out /tmp/grid   # a smoke run
     python bench/adaptive_grid.py --device cuda --threads 4 --out runs/adaptive-grid-cuda            # on a lent GPU
     python bench/adaptive_grid.py --from-reports --out runs/adaptive-grid-r3        # re-summarise a saved run
+    python bench/adaptive_grid.py --ks 1 3 5 8 --confirm 6 --out runs/adaptive-grid  # re-measure the cells below
 
 For each task, one ``draftsmith bench`` run (``evaluation.bench.run_bench``) serves plain decoding and every
 drafter at each fixed k (default 1 3 5 8) and at ``auto``, at every concurrency (default 1 8 32), over that task's
@@ -28,6 +29,14 @@ Printed and written to ``--out`` (``grid.json``, ``grid.md``, ``grid.png``, and 
     if auto were exactly plain (the control's rate x auto's cells) is what ``auto``'s own count compares with;
   - with ``--rounds`` >= 2, the cells below 0.97x in EVERY round, for ``auto`` and for the control: a cell's
     median can fall below the bar on one slow batch, a reading in every round says more.
+
+``--confirm N``: a cell's first reading is a screen. Each cell where ``auto`` reads below the bar (and each
+(task, c) where the control does) is measured again, paired, in N more rounds: one ``draftsmith bench`` run per such
+(task, c), at that c alone, on fresh servers (plain, those drafters at ``auto``, and the control where it read below),
+and its speedup becomes the median over ALL its rounds, first and confirming (pooled, not replaced: a cell is not
+judged on its second reading alone). The control goes through the same screen, so its cells still below the bar
+after confirmation are this procedure's false alarms on a method equal to plain. Cells that read above the bar at
+first are not re-measured (a cell truly below that read above stays above: the screen errs towards passing).
 The cost models ``auto`` uses are measured at the first engine start and cached (``serve/costs.py``).
 """
 
@@ -68,6 +77,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu", help="of the target and the drafters (cuda: on a lent GPU)")
     p.add_argument(
         "--control", action=argparse.BooleanOptionalAction, default=True, help="the A/A control (module docstring)"
+    )
+    p.add_argument(
+        "--confirm",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N more paired rounds for each cell below the bar, pooled with its first (module docstring)",
     )
     p.add_argument("--out", default="runs/adaptive-grid")
     p.add_argument(
@@ -111,6 +127,52 @@ def cells(reports: dict, ks: list, methods: list) -> list[dict]:
                         cell["auto_greedy_mismatches"] = row.get("greedy_mismatches")
                 out.append(cell)
     return out
+
+
+def to_confirm(grid: list[dict]) -> dict[tuple[str, int], dict]:
+    """What ``--confirm`` re-measures: ``{(task, c): {"drafters": [those whose auto reads below the bar], "control":
+    whether the control does}}``, only the (task, c) with something below."""
+    out: dict[tuple[str, int], dict] = {}
+    for c in grid:
+        key = (c["task"], c["concurrency"])
+        entry = out.setdefault(key, {"drafters": [], "control": False})
+        if c["auto"] is not None and c["auto"] < BAR:
+            entry["drafters"].append(c["drafter"])
+        entry["control"] = entry["control"] or (c.get("control") is not None and c["control"] < BAR)
+    return {key: entry for key, entry in out.items() if entry["drafters"] or entry["control"]}
+
+
+def pool(grid: list[dict], confirmations: dict[tuple[str, int], dict]) -> None:
+    """Fold each confirmation report (``{(task, c): bench report at that c alone}``) into ``grid``: the confirmed
+    cells' per-round speedups gain the new rounds and their speedup becomes the median over all of them (auto for the
+    drafters it ran, the control for every drafter's cell at that (task, c) when it ran); ``confirm_rounds`` counts
+    the rounds added."""
+    from draftsmith.evaluation.bench import round_speedups
+    from draftsmith.evaluation.bench_config import CONTROL
+
+    for c in grid:
+        report = confirmations.get((c["task"], c["concurrency"]))
+        if report is None:
+            continue
+        methods = report["methods"]
+        base = methods["none"]["per_concurrency"][0]
+        # one k is no sweep: the bench then names each server by its drafter alone (``bench_methods``)
+        name = c["drafter"] if report["config"].get("k") == "auto" else f"{c['drafter']}@auto"
+        row = methods.get(name, {}).get("per_concurrency", [None])[0]
+        if row is not None and c["drafter"] in to_confirm_drafters(report):
+            added = round_speedups(row, base)
+            c["auto_rounds"] = [*(c.get("auto_rounds") or []), *added]
+            c["auto"] = statistics.median(c["auto_rounds"])
+            c["confirm_rounds"] = len(added)
+        control = methods.get(CONTROL, {}).get("per_concurrency", [None])[0]
+        if control is not None:  # served only where the control read below (``confirm``)
+            c["control_rounds"] = [*(c.get("control_rounds") or []), *round_speedups(control, base)]
+            c["control"] = statistics.median(c["control_rounds"])
+
+
+def to_confirm_drafters(report: dict) -> list[str]:
+    """The drafters a confirmation report re-measured (its config's methods, plain left out)."""
+    return [m for m in report["config"]["methods"] if m != "none"]
 
 
 def below_every_round(values: list[float]) -> bool:
@@ -158,6 +220,12 @@ def summary(grid: list[dict], ks: list) -> dict:
             for (task, conc), rounds in control_rounds.items()
             if below_every_round(rounds)
         ),
+        # --confirm: the cells re-measured, and the rounds their pooled readings rest on
+        "confirmed": [
+            (c["task"], c["drafter"], c["concurrency"], len(c["auto_rounds"]), round(c["auto"], 3))
+            for c in grid
+            if c.get("confirm_rounds")
+        ],
         "auto_min": min((c["auto"] for c in grid if c["auto"] is not None), default=None),
         "geomean": per_k,
         "best_fixed_k": best,
@@ -233,6 +301,14 @@ def table(grid: list[dict], ks: list, result: dict) -> str:
             if any(len(c.get("auto_rounds") or []) > 1 for c in grid)
             else []
         ),
+        *(
+            [
+                f"confirmed (--confirm, pooled over every round of the cell): {len(result['confirmed'])} cells "
+                f"{result['confirmed']} (task, drafter, c, rounds, speedup)"
+            ]
+            if result.get("confirmed")
+            else []
+        ),
         f"plain's own spread (the cells' resolution): between consecutive plain batches (faster / slower) median "
         f"{result['plain_pair_spread_median']}, largest {result['plain_pair_spread_max']}; fastest / slowest of all "
         f"its batches median {result['plain_spread_median']}, largest {result['plain_spread_max']}",
@@ -287,36 +363,77 @@ def load_reports(args: argparse.Namespace, tasks: list[str], out: Path) -> dict 
     return reports
 
 
-def run_reports(args: argparse.Namespace, tasks: list[str], out: Path) -> dict:
+def _bench_config(args: argparse.Namespace, task: str, out: Path, **overrides):
+    from draftsmith.evaluation.bench_config import BenchConfig
+
+    fields = dict(
+        target=args.target,
+        methods=["none", *args.methods],
+        k=[*args.ks, "auto"],
+        head=args.head,
+        draft_model=args.draft_model,
+        num_prompts=args.num_prompts,
+        tasks=[task],
+        max_tokens=args.max_tokens,
+        concurrency=args.concurrency,
+        rounds=args.rounds,
+        baseline_every=args.baseline_every,
+        threads=args.threads,
+        device=args.device,
+        control=args.control,
+        out=str(out),
+    )
+    return BenchConfig(**(fields | overrides))
+
+
+def run_reports(args: argparse.Namespace, tasks: list[str], out: Path, model, tokenizer) -> dict:
     """One ``draftsmith bench`` run per task (module docstring), each report written under ``out / task``."""
     from draftsmith.evaluation.bench import run_bench, write_report
-    from draftsmith.evaluation.bench_config import BenchConfig
-    from draftsmith.models import load_causal_lm
 
-    model, tokenizer = load_causal_lm(args.target, dtype="float32", role="target")
-    model.to(args.device)
     reports = {}
     for task in tasks:
-        cfg = BenchConfig(
-            target=args.target,
-            methods=["none", *args.methods],
-            k=[*args.ks, "auto"],
-            head=args.head,
-            draft_model=args.draft_model,
-            num_prompts=args.num_prompts,
-            tasks=[task],
-            max_tokens=args.max_tokens,
-            concurrency=args.concurrency,
-            rounds=args.rounds,
-            baseline_every=args.baseline_every,
-            threads=args.threads,
-            device=args.device,
-            control=args.control,
-            out=str(out / task),
-        )
-        reports[task] = run_bench(cfg, model, tokenizer)
+        reports[task] = run_bench(_bench_config(args, task, out / task), model, tokenizer)
         write_report(reports[task], out / task)
     return reports
+
+
+def confirm_dir(out: Path, task: str, concurrency: int) -> Path:
+    """Where the confirmation of (task, c) writes its bench report."""
+    return out / task / f"confirm-c{concurrency}"
+
+
+def run_confirmations(args: argparse.Namespace, grid: list[dict], out: Path, model, tokenizer) -> dict:
+    """``--confirm``: one paired bench run of ``args.confirm`` rounds per (task, c) with a cell below the bar: plain,
+    the drafters whose auto read below at ``auto`` only, and the control where it read below (``to_confirm``)."""
+    from draftsmith.evaluation.bench import run_bench, write_report
+
+    reports = {}
+    for (task, c), entry in to_confirm(grid).items():
+        where = confirm_dir(out, task, c)
+        cfg = _bench_config(
+            args,
+            task,
+            where,
+            methods=["none", *entry["drafters"]],
+            k="auto",
+            concurrency=[c],
+            rounds=[args.confirm],
+            baseline_every=args.baseline_every or 1,
+            control=entry["control"],
+        )
+        reports[(task, c)] = run_bench(cfg, model, tokenizer)
+        write_report(reports[(task, c)], where)
+    return reports
+
+
+def load_confirmations(grid: list[dict], out: Path) -> dict:
+    """The confirmation reports saved under ``out`` for the (task, c) of ``grid`` (``--from-reports``)."""
+    found = {}
+    for task, c in {(cell["task"], cell["concurrency"]) for cell in grid}:
+        path = confirm_dir(out, task, c) / "report.json"
+        if path.is_file():
+            found[(task, c)] = json.loads(path.read_text())
+    return found
 
 
 def main(argv=None) -> int:
@@ -334,9 +451,17 @@ def main(argv=None) -> int:
         reports = load_reports(args, tasks, out)
         if reports is None:
             return 2
+        grid = cells(reports, args.ks, args.methods)
+        confirmations = load_confirmations(grid, out)
     else:
-        reports = run_reports(args, tasks, out)
-    grid = cells(reports, args.ks, args.methods)
+        from draftsmith.models import load_causal_lm
+
+        model, tokenizer = load_causal_lm(args.target, dtype="float32", role="target")
+        model.to(args.device)
+        reports = run_reports(args, tasks, out, model, tokenizer)
+        grid = cells(reports, args.ks, args.methods)
+        confirmations = run_confirmations(args, grid, out, model, tokenizer) if args.confirm > 0 else {}
+    pool(grid, confirmations)
     result = summary(grid, args.ks)
     text = table(grid, args.ks, result)
     if args.from_reports:

@@ -535,3 +535,78 @@ def test_the_grid_names_cells_below_the_bar_in_every_round_and_resummarises_save
     assert "rounds [3]" in (tmp_path / "grid.md").read_text() and (tmp_path / "grid.png").is_file()
     assert grid_mod.main(["--tasks", "u", "--from-reports", "--out", str(tmp_path)]) == 2
     assert "no bench report for ['u']" in capsys.readouterr().out
+
+
+def test_the_grid_confirms_the_cells_below_the_bar_by_pooling_more_paired_rounds(tmp_path):
+    """``--confirm``: the (task, c) with auto or the control below the bar are re-measured (only those drafters,
+    the control only where it read below); each confirmed cell's speedup is the median over all its rounds, first
+    and confirming, and ``--from-reports`` folds the saved confirmations in again."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_grid.py"
+    spec = importlib.util.spec_from_file_location("adaptive_grid_confirm", path)
+    grid_mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grid_mod)
+
+    def row(rounds):
+        return {"output_tokens_per_s_rounds": list(rounds), "paired_baseline_tokens_per_s": [100.0] * len(rounds)}
+
+    def speedup(r):
+        return {**r, "speedup": sorted(a / 100.0 for a in r["output_tokens_per_s_rounds"])[1]}
+
+    plain = row((100.0, 100.0, 100.0))
+    first = {
+        "none": {"per_concurrency": [plain, plain]},
+        "none-control": {"per_concurrency": [speedup(row((99.0, 100.0, 101.0))), speedup(row((95.0, 96.0, 99.0)))]},
+        "draft_model@auto": {
+            "per_concurrency": [speedup(row((95.0, 96.0, 99.0))), speedup(row((101.0, 102.0, 103.0)))]
+        },
+        "ngram@auto": {"per_concurrency": [speedup(row((101.0, 100.0, 99.0))), speedup(row((100.0, 101.0, 99.0)))]},
+        "draft_model@k3": {"per_concurrency": [speedup(row((99.0, 100.0, 101.0)))] * 2},
+        "ngram@k3": {"per_concurrency": [speedup(row((99.0, 100.0, 101.0)))] * 2},
+    }
+    report = {"concurrency": [1, 8], "methods": first}
+    grid = grid_mod.cells({"t": report}, [3], ["draft_model", "ngram"])
+    assert [(c["drafter"], c["concurrency"], c["auto"]) for c in grid] == [
+        ("draft_model", 1, 0.96),
+        ("draft_model", 8, 1.02),
+        ("ngram", 1, 1.0),
+        ("ngram", 8, 1.0),
+    ]
+    # the draft model at c = 1 (auto below), the control at c = 8; nothing else
+    assert grid_mod.to_confirm(grid) == {
+        ("t", 1): {"drafters": ["draft_model"], "control": False},
+        ("t", 8): {"drafters": [], "control": True},
+    }
+
+    def confirmation(methods, control_rounds=None):
+        rows = {"none": {"per_concurrency": [row((100.0,) * 4)]}}
+        rows |= {m: {"per_concurrency": [row((99.0, 98.0, 100.0, 101.0))]} for m in methods}  # k = auto alone
+        if control_rounds:
+            rows["none-control"] = {"per_concurrency": [row(control_rounds)]}
+        return {"config": {"methods": ["none", *methods], "k": "auto"}, "methods": rows}
+
+    confirmations = {("t", 1): confirmation(["draft_model"]), ("t", 8): confirmation([], (97.0, 99.0, 100.0, 98.0))}
+    grid_mod.pool(grid, confirmations)
+    x1 = grid[0]
+    assert x1["auto_rounds"] == [0.95, 0.96, 0.99, 0.99, 0.98, 1.0, 1.01] and x1["auto"] == 0.99
+    assert x1["confirm_rounds"] == 4 and "confirm_rounds" not in grid[1] and grid[2]["auto"] == 1.0
+    assert [c["control"] for c in grid] == [1.0, 0.98, 1.0, 0.98]  # c = 8: median of 95 96 99 97 99 100 98
+    result = grid_mod.summary(grid, [3])
+    assert result["auto_below_bar"] == [] and result["confirmed"] == [("t", "draft_model", 1, 7, 0.99)]
+    assert "confirmed (--confirm, pooled over every round of the cell): 1 cells" in grid_mod.table(grid, [3], result)
+
+    # saved as the grid saves them, they are folded in again by --from-reports
+    config = {"methods": ["none", "draft_model", "ngram"], "k": [3, "auto"], "num_prompts": 2, "max_tokens": 16}
+    config |= {"concurrency": [1, 8], "rounds": [3], "baseline_every": 1, "threads": 1, "device": "cpu", "torch": "x"}
+    (tmp_path / "t").mkdir()
+    (tmp_path / "t" / "report.json").write_text(json.dumps({**report, "config": config}))
+    for (task, c), saved in confirmations.items():
+        where = grid_mod.confirm_dir(tmp_path, task, c)
+        where.mkdir(parents=True)
+        (where / "report.json").write_text(json.dumps(saved))
+    assert grid_mod.main(["--tasks", "t", "--from-reports", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "grid.json").read_text())["summary"]
+    assert summary["auto_below_bar"] == [] and summary["confirmed"] == [["t", "draft_model", 1, 7, 0.99]]
