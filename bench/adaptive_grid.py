@@ -148,18 +148,18 @@ def pool(grid: list[dict], confirmations: dict[tuple[str, int], dict]) -> None:
     drafters it ran, the control for every drafter's cell at that (task, c) when it ran); ``confirm_rounds`` counts
     the rounds added."""
     from draftsmith.evaluation.bench import round_speedups
-    from draftsmith.evaluation.bench_config import CONTROL
+    from draftsmith.evaluation.bench_config import BASELINE, CONTROL
 
     for c in grid:
         report = confirmations.get((c["task"], c["concurrency"]))
         if report is None:
             continue
         methods = report["methods"]
-        base = methods["none"]["per_concurrency"][0]
-        # one k is no sweep: the bench then names each server by its drafter alone (``bench_methods``)
-        name = c["drafter"] if report["config"].get("k") == "auto" else f"{c['drafter']}@auto"
-        row = methods.get(name, {}).get("per_concurrency", [None])[0]
-        if row is not None and c["drafter"] in to_confirm_drafters(report):
+        base = methods[BASELINE]["per_concurrency"][0]
+        # served only for the drafters confirmed there; at k = auto alone (no sweep) the bench names each server
+        # by its drafter (``bench_methods``)
+        row = methods.get(c["drafter"], {}).get("per_concurrency", [None])[0]
+        if row is not None:
             added = round_speedups(row, base)
             c["auto_rounds"] = [*(c.get("auto_rounds") or []), *added]
             c["auto"] = statistics.median(c["auto_rounds"])
@@ -168,11 +168,6 @@ def pool(grid: list[dict], confirmations: dict[tuple[str, int], dict]) -> None:
         if control is not None:  # served only where the control read below (``confirm``)
             c["control_rounds"] = [*(c.get("control_rounds") or []), *round_speedups(control, base)]
             c["control"] = statistics.median(c["control_rounds"])
-
-
-def to_confirm_drafters(report: dict) -> list[str]:
-    """The drafters a confirmation report re-measured (its config's methods, plain left out)."""
-    return [m for m in report["config"]["methods"] if m != "none"]
 
 
 def below_every_round(values: list[float]) -> bool:
