@@ -156,6 +156,26 @@ def test_paired_measurement_brackets_every_batch_and_cancels_drift(monkeypatch):
         BenchConfig(baseline_every=-1)
 
 
+def test_every_server_warms_up_on_the_requests_of_the_highest_level(monkeypatch):
+    """The warm-up batch of each server is the highest level's requests at that level (every batch size a measured
+    round meets), short; measured batches keep the asked max_tokens."""
+    from draftsmith.evaluation import bench
+
+    calls = []
+
+    async def fake_run_batch(url, model, prompts, max_tokens, concurrency):
+        calls.append((url, len(prompts), max_tokens, concurrency))
+        return _batch(1.0, [100], concurrency=concurrency)
+
+    monkeypatch.setattr(bench, "run_batch", fake_run_batch)
+    servers = {name: (name, "m") for name in ("none", "a")}
+    cfg = BenchConfig(methods=list(servers), concurrency=(1, 8), rounds=1, baseline_every=1, max_tokens=64)
+    asyncio.run(bench._measure(servers, [[1, 2], [3], [4, 5, 6]], cfg))
+    assert calls[:2] == [("none", 8, bench.WARMUP_TOKENS, 8), ("a", 8, bench.WARMUP_TOKENS, 8)]
+    assert all(max_tokens == 64 for _, _, max_tokens, _ in calls[2:])
+    assert [(n, c) for _, n, _, c in calls[2:5]] == [(3, 1), (3, 1), (3, 1)]  # c = 1: each prompt once
+
+
 LEVELS = (1, 4, 16, 32)
 TOKENS_PER_S = {  # two rounds per level: the second round at half the speed (a noisy machine), ratios unchanged
     "none": [10, 30, 80, 100],

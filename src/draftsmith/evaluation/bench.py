@@ -107,6 +107,7 @@ SCHEDULER_GAUGES = {
     "waiting": "draftsmith:num_requests_waiting",
 }
 HF_NOTE = "transformers generate, one request at a time: measured at c=1 only"
+WARMUP_TOKENS = 8  #: tokens per warm-up request (``_measure``)
 CONTROL_VERDICT = (
     "A/A control: a second no-speculation server; its speedups are what this bench reads for a method equal to plain "
     "(the resolution of the others)"
@@ -780,7 +781,12 @@ def hf_peer(
 async def _measure(
     servers: dict[str, tuple[str, str]], prompts, cfg: BenchConfig
 ) -> tuple[dict[str, dict[int, list[BatchResult]]], BatchResult | None]:
-    """Warm-up, the c = 1 reference batch of the baseline when 1 is not a level, then ``cfg.rounds`` rounds:
+    """Warm-up (every server serves the requests of the highest level once, ``WARMUP_TOKENS`` each: a server's
+    first batch at a batch size pays one-time costs (allocations, kernels for new shapes; ``auto``'s first
+    acceptance estimates) that measured rounds must not count: without it each server's first round at c = 32
+    read ~5% below its later ones (mean over 9 servers' first rounds, 7 of them below), against a baseline that
+    had served before), the c = 1 reference batch of
+    the baseline when 1 is not a level, then ``cfg.rounds`` rounds:
     each round, for each concurrency (ascending) that has rounds left (``rounds_at``), one batch per server (the
     order rotates per round). Paired (``cfg.baseline_every`` > 0, a baseline among the servers): the baseline is
     left out of the rotation and runs first and after every ``baseline_every`` other batches (and last), each
@@ -790,10 +796,10 @@ async def _measure(
     ``servers``: ``{label: (url, model name)}``. Returns ``({label: {c: [BatchResult per round]}}, the extra
     reference batch or None)``."""
     names = list(servers)
-    warm = min(max(cfg.concurrency), len(prompts))
-    for name in names:
+    top = max(cfg.concurrency)
+    for name in names:  # the requests of the highest level, short: every shape a measured batch meets
         url, model = servers[name]
-        await run_batch(url, model, prompts[:warm], min(cfg.max_tokens, 8), warm)
+        await run_batch(url, model, requests_for(prompts, top), min(cfg.max_tokens, WARMUP_TOKENS), top)
     alone = None
     if 1 not in cfg.concurrency and BASELINE in servers:
         alone = await run_batch(*servers[BASELINE], prompts, cfg.max_tokens, 1)
