@@ -785,9 +785,8 @@ async def _measure(
     first batch at a batch size pays one-time costs (allocations, kernels for new shapes; ``auto``'s first
     acceptance estimates) that measured rounds must not count: without it each server's first round at c = 32
     read ~5% below its later ones (mean over 9 servers' first rounds, 7 of them below), against a baseline that
-    had served before), the c = 1 reference batch of
-    the baseline when 1 is not a level, then ``cfg.rounds`` rounds:
-    each round, for each concurrency (ascending) that has rounds left (``rounds_at``), one batch per server (the
+    had served before), the c = 1 reference batch of the baseline when 1 is not a level, then ``cfg.rounds``
+    rounds: each round, for each concurrency (ascending) that has rounds left (``rounds_at``), one batch per server (the
     order rotates per round). Paired (``cfg.baseline_every`` > 0, a baseline among the servers): the baseline is
     left out of the rotation and runs first and after every ``baseline_every`` other batches (and last), each
     other batch keeping the plain batches just before and after it (``BatchResult.before`` / ``after``); the
