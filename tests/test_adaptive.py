@@ -127,14 +127,19 @@ def test_the_batch_is_priced_with_the_requests_about_to_join():
 
 def test_a_drafter_start_is_charged_over_the_tokens_left():
     """A row whose drafter has not started pays its start (measured per position) spread over the tokens it may
-    still emit: with most of its tokens ahead it drafts, near its end it stays plain."""
+    still emit, not over the few it may draft this step: with most of its tokens ahead it drafts, near its end it
+    stays plain."""
     policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
     trained(policy, 0.7)
     policy.observe_step(1, 1, 0, 0, 0.011, 0.0, start_s=0.020, start_positions=200)  # 0.1 ms per position
     assert policy.start_s_per_position == pytest.approx(1e-4)
-    assert policy.choose([(None, 8, None, 0)]).k > 0  # started: nothing to pay
-    assert policy.choose([(None, 2, None, 200)]).k == 0  # 2 tokens left: the whole 20 ms start now
-    assert policy.choose([(None, 200, None, 200)]).k > 0  # 200 left: a few percent of it
+    assert policy.choose([(None, 8, None, 0, 200)]).k > 0  # started: nothing to pay
+    assert policy.choose([(None, 2, None, 200, 3)]).k == 0  # 3 tokens left: most of the 20 ms start now
+    assert policy.choose([(None, 8, None, 200, 200)]).k > 0  # 200 left (8 this step): a few percent of it
+    many = [(None, 8, None, 200, 200)] * 8  # a batch of new rows, each with 200 tokens ahead, drafts from its start
+    assert policy.choose(many, batch_size=8).k > 0
+    policy.start_s_per_position = 1e-2  # a start of 2 s against ~11 ms steps: 200 tokens do not repay it
+    assert policy.choose([(None, 8, None, 200, 200)]).k == 0
 
 
 def test_a_marginal_gain_stays_plain():
@@ -198,6 +203,22 @@ def test_measured_step_costs_rescale_the_model():
     assert policy.choose([(None, 8)]).k < before
     policy.observe_step(1, 1, 0, 0, 1e3, 0.0)  # an outlier moves a scale by at most one clipped step
     assert policy.verify_scale < 1.2
+
+
+def test_the_first_measurements_of_a_cost_outweigh_the_profile():
+    """The profile weighs as one measurement: after three drafting steps measured 2x dearer than profiled, their
+    scale is most of the way there (a fixed 5% weight would still read ~1.14), and later steps weigh SCALE_WEIGHT."""
+    from draftsmith.core.adaptive import SCALE_WEIGHT
+
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
+    for _ in range(3):
+        policy.observe_step(4, 4, 4, 3, 2 * 14.0 / 1000, 2 * 3.0 / 1000)
+    assert policy.draft_scales[3] == pytest.approx(1.75) and policy.verify_scales[4] == pytest.approx(1.75)
+    for _ in range(100):
+        policy.observe_step(4, 4, 4, 3, 14.0 / 1000, 3.0 / 1000)
+    before = policy.draft_scales[3]
+    policy.observe_step(4, 4, 4, 3, 14.0 / 1000, 4 * 3.0 / 1000)
+    assert policy.draft_scales[3] - before == pytest.approx(SCALE_WEIGHT * (4.0 - before))
 
 
 def test_the_drafters_confidence_is_calibrated_per_bin():

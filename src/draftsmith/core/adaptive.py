@@ -28,9 +28,12 @@ the batch size it will pay at (else it wins a few cheap steps at the start and l
 A row's drafter starts at its first draft (``core.batch``): a forward over its whole context so far, ~65 us per
 position for an EAGLE-3 head on the reference target, as much as a plain step for a 200-token prompt. A row that
 has not started is charged its start at ``start_s_per_position`` (measured by the startup profile, then on every
-start), spread over the tokens it may still emit: a step drafting d for it pays E(d) / cap of its start. So a request
-with most of its tokens ahead starts its drafter for almost nothing, and one near its end does not start it to
-win one step.
+start), spread over the tokens it may still emit (what max_new_tokens leaves, at most ``START_HORIZON``: a bound,
+not a forecast, since a request may stop earlier): a step drafting d for it pays E(d) / left of its start. So a
+request with most of its tokens ahead starts its drafter for almost nothing, and one near its end does not start it
+to win one step. (Spreading it over the step's own cap instead, at most k, charged a row ~E(d) / k of its start in
+one step: at concurrency 8 a batch of new rows then looked slower drafting than plain, auto stayed plain until a
+few rows had started, drafted intermittently, and read 0.96x where k = 3 read 1.16x.)
 
 The choice is a function of the past only (earlier verify outcomes and the cost model), never
 of this step's drafts, so the output keeps the target's law: any k drafted from q and verified by
@@ -83,7 +86,11 @@ The cost model is measured once, on a context of fixed length and maybe on a bus
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
 an exponential average of measured ÷ modelled, clipped to [1/4, 4]): one per tokens-per-row count T for the verify
 forward and one per k for the drafter (a longer context makes a many-token forward dearer than a one-token one, not
-only dearer), each starting from the average over every T (every k) until its own is measured.
+only dearer), each starting from the average over every T (every k) until its own is measured. The profile counts
+as one measurement: a scale's n-th measurement weighs 1 / (n + 1) until that falls to ``SCALE_WEIGHT`` (a mean,
+then an exponential average). With the fixed weight alone, the few drafting steps a batch at concurrency 8 takes
+left its k > 0 scales near the profile's (DFlash, code-edit: drafting steps modelled ~15% cheaper than measured
+after 40 of them) and auto kept drafting where it lost.
 
 This module is torch-free (the profile that measures a ``CostModel`` is ``core.cost_profile``).
 """
@@ -111,6 +118,7 @@ SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the s
 SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
 START_WEIGHT = 0.2  #: weight of one measured drafter start in ``start_s_per_position``
 OVERHEAD_WEIGHT = 0.05  #: weight of one step's measurement in ``between_s`` and the emission fit
+START_HORIZON = 256  #: most tokens a drafter start is spread over (module docstring)
 COLLINEAR = 1e-3  #: below this 1 - cos^2 of (chunks, tokens) over the steps seen, emission is priced per chunk
 
 
@@ -349,6 +357,7 @@ class AdaptivePolicy:
         self.verify_scale = self.draft_scale = 1.0
         self.verify_scales: dict[int, float] = {}
         self.draft_scales: dict[int, float] = {}
+        self._measured: dict[tuple, int] = {}  # measurements per scale (its weight: module docstring)
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
         self.start_s_per_position = cost.start_s_per_position  #: seconds of a drafter start per context position
         self.between_s = 0.0  #: measured seconds between two steps (module docstring)
@@ -382,8 +391,8 @@ class AdaptivePolicy:
 
     def throughput(self, rows: Sequence[tuple], k: int, batch_size: int | None = None) -> float:
         """Expected emitted tokens per second of one step drafting ``k`` per row; ``rows``: (rates, cap[, context
-        positions its drafter must read to start, 0 when started]) each, standing for ``batch_size`` rows (default:
-        themselves; module docstring)."""
+        positions its drafter must read to start, 0 when started[, tokens it may still emit, default cap + 1]]) each,
+        standing for ``batch_size`` rows (default: themselves; module docstring)."""
         return self._options(_Rows(rows), batch_size, [k])[0]
 
     def _options(self, rows: "_Rows", batch_size: int | None, ks: Sequence[int]) -> list[float]:
@@ -393,29 +402,31 @@ class AdaptivePolicy:
         out = []
         for k in ks:
             tokens, starts = 0.0, 0.0
-            for prefix, cap, count, start in rows.groups:
+            for prefix, cap, count, spread in rows.groups:
                 d = k if k < cap else cap
                 e = prefix[d]
                 tokens += count * e
-                if start and d > 0:  # its rows' starts, spread over the tokens each may still emit
-                    starts += start * self.start_s_per_position * min(1.0, e / max(cap, 1))
+                if spread and d > 0:  # its rows' starts, each spread over the tokens it may still emit (E(d) <= left)
+                    starts += spread * self.start_s_per_position * e
             seconds = self._seconds(rows, k, batch_size) + (starts + self.emission.seconds(n, tokens)) * scale
             out.append(tokens * scale / max(seconds, 1e-9))
         return out
 
     def choose(self, rows: Sequence[tuple], batch_size: int | None = None) -> Choice:
         """This step's k for ``rows``, each (its estimate, the most it may draft[, the drafter's confidence in its
-        next draft or None]), priced at ``batch_size`` rows (the batch once the waiting requests have joined;
-        default: the rows given; module docstring); counted in ``histogram``."""
+        next draft or None[, context positions its drafter must read to start, 0 once started[, tokens it may still
+        emit]]]), priced at ``batch_size`` rows (the batch once the waiting requests have joined; default: the rows
+        given; module docstring); counted in ``histogram``."""
         if not rows:
             return Choice(0, 0.0)
         engine = self.engine.rates(self.prior, ENGINE_PRIOR)
         scored = []
         for row in rows:
-            est, cap, confidence, start = (*row, None, 0)[:4]
+            est, cap, confidence, start, left = (*row, None, 0, None)[:5]
             if est is not None:
                 est.confidence = confidence
-            scored.append((self.rates(est, confidence, engine), max(0, min(cap, self.k_max)), start or 0))
+            cap = max(0, min(cap, self.k_max))
+            scored.append((self.rates(est, confidence, engine), cap, start or 0, cap + 1 if left is None else left))
         priced = _Rows(scored)
         best_cap = max(priced.caps)
         options = list(zip(self._options(priced, batch_size, range(best_cap + 1)), range(best_cap + 1)))
@@ -428,7 +439,7 @@ class AdaptivePolicy:
             rate_k, k_probe = max(options[1:], key=lambda o: (o[0], -o[1]))
             one = max(
                 (b for b, cap in enumerate(priced.caps) if cap > 0),
-                key=lambda b: (not priced.starts[b], priced.caps[b]),  # a started row first, then the most tokens left
+                key=lambda b: (not priced.starts[b], priced.lefts[b]),  # a started row first, then the most tokens left
             )
             k_probe = min(k_probe, priced.caps[one])
             if self._plain_run >= PROBE_AFTER and self._plain_s * PROBE_BUDGET >= self.probe_cost(scored, one, k_probe):
@@ -503,21 +514,21 @@ class AdaptivePolicy:
             self._probe_cost = max(0.0, verify_s + draft_s - plain)  # its start: priced per position
         self._probing = False
 
-        def update(scale: float, measured: float, modelled: float) -> float:
+        def update(key: tuple, scale: float, measured: float, modelled: float) -> float:
             if measured <= 0 or modelled <= 0:
                 return scale
+            n = self._measured[key] = self._measured.get(key, 0) + 1
+            w = max(SCALE_WEIGHT, 1.0 / (n + 1))  # the profile weighs as one measurement (module docstring)
             ratio = min(max(measured / modelled, SCALE_RANGE[0]), SCALE_RANGE[1])
-            return (1 - SCALE_WEIGHT) * scale + SCALE_WEIGHT * ratio
+            return (1 - w) * scale + w * ratio
 
-        modelled = self.cost.verify(batch_size, tokens_per_row)
-        self.verify_scales[tokens_per_row] = update(
-            self.verify_scales.get(tokens_per_row, self.verify_scale), verify_s, modelled
-        )
-        self.verify_scale = update(self.verify_scale, verify_s, modelled)
+        t, modelled = tokens_per_row, self.cost.verify(batch_size, tokens_per_row)
+        self.verify_scales[t] = update(("verify", t), self.verify_scales.get(t, self.verify_scale), verify_s, modelled)
+        self.verify_scale = update(("verify",), self.verify_scale, verify_s, modelled)
         if k > 0 and drafting > 0:
             modelled = self.cost.draft(drafting, k)
-            self.draft_scales[k] = update(self.draft_scales.get(k, self.draft_scale), draft_s, modelled)
-            self.draft_scale = update(self.draft_scale, draft_s, modelled)
+            self.draft_scales[k] = update(("draft", k), self.draft_scales.get(k, self.draft_scale), draft_s, modelled)
+            self.draft_scale = update(("draft",), self.draft_scale, draft_s, modelled)
 
     def observe(self, request: AcceptanceEstimate | None, num_proposed: int, num_accepted: int) -> None:
         """One row's verify outcome (the depth it asked for along its path, drafts accepted) updates its and the
@@ -536,23 +547,27 @@ class AdaptivePolicy:
 
 
 class _Rows:
-    """A batch's rows as priced: cap (most drafts) and start positions per row; and ``groups``, the rows that share
-    one rates list and cap (every request that has not drafted yet shares the engine's), each as (E(d) for
-    d = 0..cap, cap, rows, start positions summed): pricing every k is O(groups x k), one pass over each group's
-    rates, not O(rows x k^2)."""
+    """A batch's rows as priced: cap (most drafts), start positions and tokens left (at most ``START_HORIZON``; at
+    least cap + 1) per row; and ``groups``, the rows that share one rates list and cap (every request that has not
+    drafted yet shares the engine's), each as (E(d) for d = 0..cap, cap, rows, sum of start positions / tokens left):
+    pricing every k is O(groups x k), one pass over each group's rates, not O(rows x k^2)."""
 
     def __init__(self, rows: Sequence[tuple], prefixes: bool = True):
         self.caps = [max(0, row[1]) for row in rows]
         self.starts = [(row[2] or 0) if len(row) > 2 else 0 for row in rows]
+        self.lefts = [
+            max(cap + 1, min(row[3] if len(row) > 3 and row[3] is not None else cap + 1, START_HORIZON))
+            for row, cap in zip(rows, self.caps)
+        ]
         self.drafting = sum(1 for cap in self.caps if cap > 0)
         groups: dict[tuple[int, int], list] = {}
         if prefixes:
-            for row, cap, start in zip(rows, self.caps, self.starts):
+            for row, cap, start, left in zip(rows, self.caps, self.starts, self.lefts):
                 group = groups.get((id(row[0]), cap))
                 if group is None:
-                    group = groups[(id(row[0]), cap)] = [_prefix(row[0], cap), cap, 0, 0]
+                    group = groups[(id(row[0]), cap)] = [_prefix(row[0], cap), cap, 0, 0.0]
                 group[2] += 1
-                group[3] += start
+                group[3] += start / left
         self.groups = list(groups.values())
 
 

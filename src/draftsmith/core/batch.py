@@ -101,9 +101,12 @@ class StepPolicy(Protocol):
     def new_request(self) -> object:
         """Per-request state, kept in ``BatchSequence.estimate``."""
 
-    def choose(self, rows: Sequence[tuple[object, int, float | None, int]], batch_size: int | None = None) -> Choice:
+    def choose(
+        self, rows: Sequence[tuple[object, int, float | None, int, int]], batch_size: int | None = None
+    ) -> Choice:
         """k for this step, given each running row's (state, most drafts it may ask for, the drafter's confidence
-        in its next draft or None, context positions its drafter must read to start: 0 once started);
+        in its next draft or None, context positions its drafter must read to start: 0 once started, tokens it may
+        still emit: what max_new_tokens leaves);
         ``batch_size``: the rows the batch will decode with once the waiting requests have joined (running +
         waiting, at most ``max_num_seqs``)."""
 
@@ -481,8 +484,9 @@ class BatchDecoder:
             confidence = self._confidence(rows)
             soon = min(self.max_num_seqs, len(rows) + len(self.waiting))  # the batch once the waiting have joined
             starts = [0 if s.started else len(s.prompt) + len(s.tokens) - 1 for s in rows]  # positions to read
+            lefts = [s.cfg.max_new_tokens - len(s.tokens) for s in rows]  # what a start is spread over
             choice = self.policy.choose(
-                [(s.estimate, cap, c, n) for s, cap, c, n in zip(rows, caps, confidence, starts)], batch_size=soon
+                [(s.estimate, *row) for s, *row in zip(rows, caps, confidence, starts, lefts)], batch_size=soon
             )
             ks = [min(choice.k, cap) if choice.rows is None or b in choice.rows else 0 for b, cap in enumerate(caps)]
         else:
