@@ -136,3 +136,26 @@ def test_the_export_carries_a_golden_trace_our_server_reproduces(trained):
     with BackgroundServer(create_app(Engine(target, tok, spec, model_name="reference"))) as server:
         result = certify(head_dir, server.url)
     assert result.verdict == "identical", result.summary()
+
+
+def test_eval_of_the_runs_own_head_is_recorded_in_it_and_no_other(trained, tmp_path):
+    """``run_eval`` records its held-out acceptance in the run's own export (what ``auto`` starts a served head
+    from: ``serve.costs.recorded_acceptance``); a head from elsewhere is read, never written."""
+    import shutil
+
+    from draftsmith.export.metadata import read_metadata
+    from draftsmith.pipeline.stages import run_eval
+    from draftsmith.serve.costs import recorded_acceptance
+
+    target, tok, head_dir = trained
+    overrides = ["eval.tasks=[code-complete]", "eval.prompts_per_task=1", "eval.max_new_tokens=8", "eval.threads=1"]
+    own = load_config(Recipe, None, [f"out_dir={tmp_path}", "name=own", *overrides])
+    shutil.copytree(head_dir, own.run_dir / "head")
+    other = shutil.copytree(head_dir, tmp_path / "elsewhere")
+    report = run_eval(own, own.run_dir / "head", target, tok)
+    rates = recorded_acceptance(own.run_dir / "head", "eagle3")
+    assert report["recorded_in"] == str(own.run_dir / "head" / "draftsmith.json")
+    assert rates and len(rates) == len(report["tasks"]["code-complete"]["eagle3"]["accepted_per_pos"])
+    before = read_metadata(other).eval
+    report = run_eval(own, other, target, tok)
+    assert "recorded_in" not in report and read_metadata(other).eval == before

@@ -264,6 +264,8 @@ def cmd_eval(args) -> int:
     )
     print(format_table(report))
     print(f"report: {recipe.run_dir / 'eval' / 'report.json'}")
+    if report.get("recorded_in"):
+        print(f"recorded in {report['recorded_in']} (its held-out acceptance: where `auto` starts from)")
     return 0
 
 

@@ -12,12 +12,12 @@ import time
 from pathlib import Path
 
 from draftsmith import reference
-from draftsmith.drafters.directory import check_export, drafter_of, write_card
+from draftsmith.drafters.directory import check_export, drafter_of
 from draftsmith.evaluation.heldout import format_table
-from draftsmith.export.metadata import read_metadata, update_metadata
+from draftsmith.export.metadata import read_metadata
 from draftsmith.models import load_target
 from draftsmith.pipeline.recipe import Recipe
-from draftsmith.pipeline.stages import eval_summary, run_eval, run_train, timed
+from draftsmith.pipeline.stages import run_eval, run_train, timed
 from draftsmith.precision import machine_record
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.server import create_app
@@ -86,9 +86,7 @@ def demo(recipe: Recipe) -> dict:
         check = check_export(head_dir, target.config, tokenizer, recipe.target.name_or_path)
     print(check.summary())
     with timed(stages, "eval"):
-        report = run_eval(recipe, head_dir, target, tokenizer)
-        update_metadata(head_dir, eval=eval_summary(report))
-        write_card(head_dir, report, recipe.run_dir / "eval" / "acceptance.png")
+        report = run_eval(recipe, head_dir, target, tokenizer)  # recorded in the head (``run_eval``)
     with timed(stages, "serve check"):
         served = serve_check(
             target, tokenizer, head_dir, recipe.drafter.num_speculative_tokens, reference_prompt(recipe)

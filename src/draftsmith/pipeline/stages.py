@@ -253,12 +253,12 @@ def eval_summary(report: dict) -> dict:
     }
 
 
-def attach_eval(head_dir: Path, eval_dir: Path) -> None:
+def attach_eval(head_dir: Path, eval_dir: Path) -> bool:
     """Record ``eval_dir/report.json`` in the export's metadata and card when it was measured on an export with
-    the same weights (the sha256 of model.safetensors in the export it names)."""
+    the same weights (the sha256 of model.safetensors in the export it names); whether it was recorded."""
     path = eval_dir / "report.json"
     if not path.is_file():
-        return
+        return False
     report = json.loads(path.read_text())
     try:
         measured = read_metadata(report.get("head") or "").weights.get("model.safetensors")
@@ -266,9 +266,10 @@ def attach_eval(head_dir: Path, eval_dir: Path) -> None:
         measured = None
     if measured is None or measured != read_metadata(head_dir).weights.get("model.safetensors"):
         logger.info("%s measured other weights; %s gets no eval record", path, head_dir)
-        return
+        return False
     update_metadata(head_dir, eval=eval_summary(report))
     write_card(head_dir, report, eval_dir / "acceptance.png")
+    return True
 
 
 def eval_rows(
@@ -400,7 +401,9 @@ def run_eval(
     tree: TreeShape | None = None,
 ) -> dict:
     """Stage 5: acceptance and speed of every row (``eval_rows``) on the held-out tasks; writes report, table and
-    plot under ``RUN/eval``.
+    plot under ``RUN/eval``, and records them in the run's own export (``RUN/head``: its ``draftsmith.json``
+    ``eval`` and card, ``attach_eval``) when that is the head evaluated: adaptive speculation starts a served head
+    from its recorded acceptance (``serve.costs.recorded_acceptance``). Another head is read, never written.
 
     ``allow_mismatch``: target-identity fields the export may differ in (``export.check``); the check, with
     every override and both of its values, is kept in the report as ``head_check``."""
@@ -440,4 +443,6 @@ def run_eval(
     (out / "report.json").write_text(json.dumps(report, indent=1))
     (out / "table.txt").write_text(format_table(report) + "\n")
     plot_acceptance(report, out / "acceptance.png")
+    if head_dir is not None and Path(head_dir).resolve() == (recipe.run_dir / "head").resolve():
+        report["recorded_in"] = str(Path(head_dir) / METADATA_FILE) if attach_eval(Path(head_dir), out) else None
     return report
