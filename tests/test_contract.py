@@ -377,6 +377,29 @@ def test_deferred_accepts_draft_what_step_by_step_accepts_draft(served, monkeypa
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_a_run_of_plain_steps_costs_a_started_drafter_nothing(served, name):
+    """Under a policy a started row's plain steps wait for its next draft (``START_LIMIT``, not ``PENDING_LIMIT``):
+    a row that drafts once, then runs plain past ``PENDING_LIMIT`` positions, calls ``accept`` once (its drafting
+    step's positions, before the next choice reads its confidence), not once more per ``PENDING_LIMIT`` (a free
+    catch-up excepted: it is kept current for its confidence)."""
+    import lossless
+    from draftsmith.core import batch
+
+    honour_opt_out(name, "auto")
+    model, tok, prompts, spec = served("tiny", name)
+    engine = Engine(model, tok, spec.with_k(3))
+    proposer = _Logged(engine.drafter.new_batch_proposer())
+    accepted = []
+    proposer.accept = lambda keys, *args: (accepted.append(list(keys)), proposer.inner.accept(keys, *args))
+    plan = [3] + [0] * (batch.PENDING_LIMIT + 8)
+    decoder = BatchDecoder(engine.target, proposer, 3, max_num_seqs=1, policy=lossless.ScriptedPolicy(plan))
+    decoder.add(BatchSequence(prompts[0], GenerationConfig(max_new_tokens=len(plan) + 1)))
+    decoder.run()
+    assert len(proposer.started) == 1
+    assert proposer.free_catch_up or len(accepted) == 1, f"{name}: plain steps flushed to a started drafter"
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_auto_through_the_engine(served, name):
     """``"num_speculative_tokens": "auto"``: the engine measures its cost model, a drafter start's cost included
     (then a second engine reads the cached one), greedy equals plain, and /metrics shows the chosen k and the cost
