@@ -221,6 +221,24 @@ def test_the_first_measurements_of_a_cost_outweigh_the_profile():
     assert policy.draft_scales[3] - before == pytest.approx(SCALE_WEIGHT * (4.0 - before))
 
 
+def test_the_policy_measures_its_own_optimism_over_the_steps_that_draft():
+    """The estimates read 0.7 per position but every drafting row accepts one draft (a winner's curse: fewer than
+    the E(k) - 1 expected): ``realized`` becomes that ratio and prices every E(d) with it, so the policy drafts
+    less."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=0.3, draft_ms=0.3), 8)
+    policy.rates = lambda est, confidence=None, engine=None: [0.7] * 8
+    rows = [(None, 8)] * 4
+    first = policy.choose(rows).k
+    k = first
+    for _ in range(200):
+        for _ in rows:
+            policy.observe(None, k, 1 if k else 0)
+        policy.observe_step(4, 1 + k, 4 if k else 0, k, 0.0103 + 0.0003 * k, 0.0003 * k)  # as modelled
+        k = policy.choose(rows).k
+    assert first > 2 and 0 < k < first
+    assert policy.realized == pytest.approx(1 / sum(0.7**i for i in range(1, k + 1)), rel=0.05)
+
+
 def test_the_drafters_confidence_is_calibrated_per_bin():
     policy = AdaptivePolicy(flat_cost(per_token_ms=2.0, draft_ms=2.0), 8)
     trained(policy, 0.5)

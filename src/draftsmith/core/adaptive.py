@@ -82,6 +82,13 @@ k = 3; with it, 1.08x against 1.10x). Pricing the emission per token instead ove
 (EAGLE-3, code-complete, c = 1: auto drafted 2.7 a step, not 4.4); timing each chunk showed its fixed part dominates
 (``EmissionCost``).
 
+The acceptance estimates are unbiased over every step, but a step drafts when they read high, so over the steps
+that draft they are optimistic (the winner's curse; DFlash on code-edit at concurrency 8: drafting steps expected
+16.6 tokens from 8 rows and emitted 14.7, and ~+10% predicted read ~-5% measured). So the policy also measures its
+own optimism: ``realized``, the drafts accepted over those it expected (E(d) - 1 per drafting row, for the k
+chosen), summed over recent drafting steps (decayed by ``REALIZED_DECAY``, ``REALIZED_PRIOR`` pseudo-tokens of
+1), scales the drafted part of every E(d): a step is priced at 1 + (E(d) - 1) x realized tokens per row.
+
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
 an exponential average of measured ÷ modelled, clipped to [1/4, 4]): one per tokens-per-row count T for the verify
@@ -119,6 +126,8 @@ SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
 START_WEIGHT = 0.2  #: weight of one measured drafter start in ``start_s_per_position``
 OVERHEAD_WEIGHT = 0.05  #: weight of one step's measurement in ``between_s`` and the emission fit
 START_HORIZON = 256  #: most tokens a drafter start is spread over (module docstring)
+REALIZED_DECAY = 0.95  #: the drafted-token sums behind ``realized`` decay per drafting step (~20 recent steps weigh)
+REALIZED_PRIOR = 4.0  #: pseudo-tokens of a realized ratio of 1 in ``realized``
 COLLINEAR = 1e-3  #: below this 1 - cos^2 of (chunks, tokens) over the steps seen, emission is priced per chunk
 
 
@@ -358,6 +367,10 @@ class AdaptivePolicy:
         self.verify_scales: dict[int, float] = {}
         self.draft_scales: dict[int, float] = {}
         self._measured: dict[tuple, int] = {}  # measurements per scale (its weight: module docstring)
+        self.realized = 1.0  #: drafts accepted ÷ expected over recent drafting steps (module docstring)
+        self._realized_sums = [0.0, 0.0]  # decayed (accepted, expected) drafts
+        self._expected = 0.0  # drafts the step being observed was expected to get accepted (unscaled)
+        self._accepted = 0  # drafts accepted in the step being observed (``observe``)
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
         self.start_s_per_position = cost.start_s_per_position  #: seconds of a drafter start per context position
         self.between_s = 0.0  #: measured seconds between two steps (module docstring)
@@ -404,7 +417,7 @@ class AdaptivePolicy:
             tokens, starts = 0.0, 0.0
             for prefix, cap, count, spread in rows.groups:
                 d = k if k < cap else cap
-                e = prefix[d]
+                e = min(1.0 + (prefix[d] - 1.0) * self.realized, 1.0 + d)
                 tokens += count * e
                 if spread and d > 0:  # its rows' starts, each spread over the tokens it may still emit (E(d) <= left)
                     starts += spread * self.start_s_per_position * e
@@ -449,6 +462,9 @@ class AdaptivePolicy:
             self._plain_run, self._plain_s = 0, 0.0
         self._probing = probe
         self.histogram[k] += 1
+        chosen = priced if not probe else _Rows([(r, c if b == one else 0) for b, (r, c, *_) in enumerate(scored)])
+        self._expected = sum(count * (p[min(k, cap)] - 1.0) for p, cap, count, _ in chosen.groups) if k else 0.0
+        self._accepted = 0
         return Choice(k, rate, probe, (one,) if probe else None)
 
     def step_seconds(self, rows: Sequence[tuple[list[float], int]], k: int, batch_size: int | None = None) -> float:
@@ -507,6 +523,12 @@ class AdaptivePolicy:
             per_position = start_s / start_positions
             w = START_WEIGHT if self.start_s_per_position > 0 else 1.0  # the first measurement, when none was profiled
             self.start_s_per_position = (1 - w) * self.start_s_per_position + w * per_position
+        if k > 0 and self._expected > 0:  # the policy's own optimism (module docstring)
+            sums = self._realized_sums
+            sums[0] = REALIZED_DECAY * sums[0] + self._accepted
+            sums[1] = REALIZED_DECAY * sums[1] + self._expected
+            self.realized = (sums[0] + REALIZED_PRIOR) / (sums[1] + REALIZED_PRIOR)
+        self._expected, self._accepted = 0.0, 0
         if k == 0:
             self._plain_s += verify_s + draft_s + start_s
         elif self._probing:
@@ -535,6 +557,7 @@ class AdaptivePolicy:
         engine's rates (module docstring)."""
         if num_proposed <= 0:
             return
+        self._accepted += num_accepted
         self.engine.observe(num_proposed, num_accepted)
         if request is not None:
             request.observe(num_proposed, num_accepted)
