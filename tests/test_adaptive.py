@@ -213,12 +213,24 @@ def test_the_first_measurements_of_a_cost_outweigh_the_profile():
     policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
     for _ in range(3):
         policy.observe_step(4, 4, 4, 3, 2 * 14.0 / 1000, 2 * 3.0 / 1000)
-    assert policy.draft_scales[3] == pytest.approx(1.75) and policy.verify_scales[4] == pytest.approx(1.75)
+    assert policy.draft_scales[3] == pytest.approx(1.75) and policy.verify_scales[(4, 4)] == pytest.approx(1.75)
     for _ in range(100):
         policy.observe_step(4, 4, 4, 3, 14.0 / 1000, 3.0 / 1000)
     before = policy.draft_scales[3]
     policy.observe_step(4, 4, 4, 3, 14.0 / 1000, 4 * 3.0 / 1000)
     assert policy.draft_scales[3] - before == pytest.approx(SCALE_WEIGHT * (4.0 - before))
+
+
+def test_a_verify_scale_learnt_at_one_batch_size_does_not_price_another():
+    """Drafting measured at B = 4 as profiled, plain steps at B = 32 measured 1.8x the profile: an unmeasured
+    2-token verify at B = 32 is priced with B = 32's scale (1.8x), not with the 2-token scale of B = 4 (1.0x)."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0, batch_sizes=(1, 4, 32)), 8)
+    for _ in range(50):
+        policy.observe_step(4, 2, 4, 1, 12.0 / 1000, 1.0 / 1000)  # as profiled
+        policy.observe_step(32, 1, 0, 0, 1.8 * 11.0 / 1000, 0.0)
+    assert policy.verify_scale_at(4, 2) == pytest.approx(1.0, abs=0.02)
+    assert policy.verify_scale_at(32, 2) == pytest.approx(1.8, abs=0.02) == policy.verify_scale_at(40, 1)
+    assert policy.step_seconds([([0.7] * 8, 1)] * 32, 1) == pytest.approx(1.8 * 0.012 + 0.001, rel=0.02)
 
 
 def test_the_policy_measures_its_own_optimism_over_the_steps_that_draft():

@@ -91,9 +91,14 @@ chosen), summed over recent drafting steps (decayed by ``REALIZED_DECAY``, ``REA
 
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
-an exponential average of measured ÷ modelled, clipped to [1/4, 4]): one per tokens-per-row count T for the verify
-forward and one per k for the drafter (a longer context makes a many-token forward dearer than a one-token one, not
-only dearer), each starting from the average over every T (every k) until its own is measured. The profile counts
+an exponential average of measured ÷ modelled, clipped to [1/4, 4]): one per batch size (in powers of two) and
+tokens-per-row count T for the verify forward and one per k for the drafter (a longer context makes a many-token
+forward dearer than a one-token one, not only dearer), each starting from its batch size's average over every T
+(then the average over all, every k) until its own is measured. Per batch size because a server meets its batch
+sizes at different times and loads: with one scale per T, an EAGLE-3 server that drafted at c = 1 and 8 and then
+served c = 32 priced a 2-token verify at B = 32 with the ratio learnt at B <= 8 (1.4-1.5x the profile) and a plain
+one with B = 32's (1.6-1.8x), so drafting looked ~20% cheaper than it was there, and it drafted (mean k 0.55, 0.90x
+plain, code-foreign). The profile counts
 as one measurement: a scale's n-th measurement weighs 1 / (n + 1) until that falls to ``SCALE_WEIGHT`` (a mean,
 then an exponential average). With the fixed weight alone, the few drafting steps a batch at concurrency 8 takes
 left its k > 0 scales near the profile's (DFlash, code-edit: drafting steps modelled ~15% cheaper than measured
@@ -339,7 +344,8 @@ class AdaptivePolicy:
     Attributes:
         engine: the engine-wide ``AcceptanceEstimate``. histogram: steps per chosen k (``[k_max + 1]``).
         verify_scale, draft_scale: measured ÷ modelled cost over recent steps, any T / k (module docstring).
-        verify_scales, draft_scales: the same per tokens-per-row T, per k.
+        verify_scales, draft_scales: the same per (batch-size bucket, tokens-per-row T), per k.
+        bucket_scales: the verify forward's per batch-size bucket, any T.
     """
 
     def __init__(
@@ -364,7 +370,8 @@ class AdaptivePolicy:
         self._probe_cost: float | None = None  # a probe step's measured seconds beyond a plain step's
         self._probing = False  # the step being chosen / observed is a probe
         self.verify_scale = self.draft_scale = 1.0
-        self.verify_scales: dict[int, float] = {}
+        self.verify_scales: dict[tuple[int, int], float] = {}
+        self.bucket_scales: dict[int, float] = {}
         self.draft_scales: dict[int, float] = {}
         self._measured: dict[tuple, int] = {}  # measurements per scale (its weight: module docstring)
         self.realized = 1.0  #: drafts accepted ÷ expected over recent drafting steps (module docstring)
@@ -478,8 +485,15 @@ class AdaptivePolicy:
         b = max(batch_size or n, n)
         drafting = round(rows.drafting * b / max(n, 1)) if longest > 0 else 0
         t = 1 + self.reads(longest)
-        seconds = self.verify_scales.get(t, self.verify_scale) * self.cost.verify(b, t) + self.between_s
+        seconds = self.verify_scale_at(b, t) * self.cost.verify(b, t) + self.between_s
         return seconds + self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
+
+    def verify_scale_at(self, b: int, t: int) -> float:
+        """The verify forward's measured ÷ modelled cost at ``b`` rows of ``t`` tokens: its batch-size bucket's at
+        ``t``, else that bucket's at any T, else the average over all (module docstring)."""
+        bucket = _bucket(b)
+        scale = self.verify_scales.get((bucket, t))
+        return scale if scale is not None else self.bucket_scales.get(bucket, self.verify_scale)
 
     def probe_cost(self, rows: Sequence[tuple], row: int, k: int) -> float:
         """Seconds a probe of ``k`` drafts in row ``row`` alone costs beyond a plain step: its verify and draft
@@ -532,7 +546,7 @@ class AdaptivePolicy:
         if k == 0:
             self._plain_s += verify_s + draft_s + start_s
         elif self._probing:
-            plain = self.verify_scales.get(1, self.verify_scale) * self.cost.verify(batch_size, 1)
+            plain = self.verify_scale_at(batch_size, 1) * self.cost.verify(batch_size, 1)
             self._probe_cost = max(0.0, verify_s + draft_s - plain)  # its start: priced per position
         self._probing = False
 
@@ -545,7 +559,11 @@ class AdaptivePolicy:
             return (1 - w) * scale + w * ratio
 
         t, modelled = tokens_per_row, self.cost.verify(batch_size, tokens_per_row)
-        self.verify_scales[t] = update(("verify", t), self.verify_scales.get(t, self.verify_scale), verify_s, modelled)
+        bucket = _bucket(batch_size)
+        scale = self.verify_scale_at(batch_size, t)
+        self.verify_scales[(bucket, t)] = update(("verify", bucket, t), scale, verify_s, modelled)
+        scale = self.bucket_scales.get(bucket, self.verify_scale)
+        self.bucket_scales[bucket] = update(("verify", bucket), scale, verify_s, modelled)
         self.verify_scale = update(("verify",), self.verify_scale, verify_s, modelled)
         if k > 0 and drafting > 0:
             modelled = self.cost.draft(drafting, k)
@@ -602,6 +620,11 @@ def _prefix(rates: Sequence[float], cap: int) -> list[float]:
         total += reach
         out.append(total)
     return out
+
+
+def _bucket(b: int) -> int:
+    """The power of two at or below ``b`` (>= 1): the batch sizes that share a verify scale."""
+    return 1 << (max(int(b), 1).bit_length() - 1)
 
 
 def _bin(confidence: float) -> int:
