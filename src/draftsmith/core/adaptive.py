@@ -446,7 +446,7 @@ class AdaptivePolicy:
             if est is not None:
                 est.confidence = confidence
             cap = max(0, min(cap, self.k_max))
-            scored.append((self.rates(est, confidence, engine), cap, start or 0, cap + 1 if left is None else left))
+            scored.append((self.rates(est, confidence, engine), cap, start or 0, left))  # left None: ``_Rows``' default
         priced = _Rows(scored)
         best_cap = max(priced.caps)
         options = list(zip(self._options(priced, batch_size, range(best_cap + 1)), range(best_cap + 1)))
