@@ -163,6 +163,25 @@ def test_a_request_estimate_pulls_away_from_the_engine():
     assert policy.choose([(bad, 8)]).k == 0 and policy.choose([(policy.new_request(), 8)]).k > 0
 
 
+def test_a_request_that_went_plain_drafts_again_as_its_text_moves_on():
+    """A request's plain steps age its counts (``AcceptanceEstimate.age``): after a run of rejections it stays plain
+    for a while, then its rates return towards the engine's and it drafts again, not plain to its end."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=2.0, draft_ms=2.0), 8)
+    trained(policy, 0.8)
+    dipped = policy.new_request()
+    for _ in range(5):
+        policy.observe(dipped, 5, 0)
+    assert policy.choose([(dipped, 8)]).k == 0
+    frozen = policy.rates(dipped)[0]
+    plain_steps = 0
+    while policy.choose([(dipped, 8)]).k == 0:
+        policy.observe(dipped, 0, 0)  # what the decoder reports for a row that drafted nothing
+        plain_steps += 1
+        assert plain_steps < 40, "a dipped request never drafts again"
+    assert plain_steps >= 2 and policy.rates(dipped)[0] > frozen
+    assert policy.rates(dipped)[0] <= policy.rates(None)[0]  # towards the engine's, never past it
+
+
 def test_probes_spend_at_most_the_budget_of_plain_time():
     """Where speculation does not pay, probes come after PROBE_AFTER plain steps at the earliest, and their extra
     seconds stay within PROBE_BUDGET of the plain decoding time: verify and draft modelled for the first probe,
