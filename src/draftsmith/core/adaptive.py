@@ -57,8 +57,9 @@ step does the positions it tried), so its rates return towards the engine's as i
 request that met a few rejections in a row chose plain, then learnt nothing more and stayed plain to its end: EAGLE-3
 on code-foreign at concurrency 1 decoded 112 of its 351 steps plain with every draft rate frozen at its dip (k = 5
 read 0.94x plain) while the engine's rates read 1.3x, and auto read 1.14-1.20x against k = 3's 1.29-1.32x.
-With ageing, ~10 plain steps bring a dipped request back to drafting; if its text is still hard, the next verify
-step says so again at the cost of one step.
+With ageing, what a request saw weighs half after ~7 plain steps (``REQUEST_DECAY`` 0.9), and it drafts again
+once its rates, pulled towards the engine's, price drafting above plain (13 of 277 steps plain mid-request in the
+same cell); if its text is still hard, the next verify step says so again at the cost of one step.
 
 When zero drafts win for every request, nothing is learnt;
 so the policy drafts once at its best positive K (a probe) when exploring is affordable: at least ``PROBE_AFTER``
