@@ -12,6 +12,7 @@ import torch
 from draftsmith.core.adaptive import (
     PROBE_AFTER,
     PROBE_BUDGET,
+    REALIZED_PRIOR,
     AcceptanceEstimate,
     AdaptivePolicy,
     CostModel,
@@ -268,6 +269,24 @@ def test_the_policy_measures_its_own_optimism_over_the_steps_that_draft():
         k = policy.choose(rows).k
     assert first > 2 and 0 < k < first
     assert policy.realized == pytest.approx(1 / sum(0.7**i for i in range(1, k + 1)), rel=0.05)
+
+
+def test_plain_steps_return_the_policys_optimism_towards_one():
+    """Recent drafting steps accepted 5 of the 45 drafts expected: ``realized`` reads ~0.2 and the policy goes plain
+    (its rates held at 0.7). Its plain steps age the sums behind ``realized`` (as they age a request's counts), so
+    it drafts again instead of staying plain on an estimate that nothing updates any more."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
+    policy.rates = lambda est, confidence=None, engine=None: [0.7] * 8
+    rows = [(None, 8)]
+    assert policy.choose(rows).k > 0
+    policy._realized_sums = [5.0, 45.0]  # what those drafting steps left
+    policy.realized = low = (5.0 + REALIZED_PRIOR) / (45.0 + REALIZED_PRIOR)
+    plain_steps = 0
+    while (choice := policy.choose(rows)).k == 0 or choice.probe:  # a probe would learn by drafting: not here
+        policy.observe_step(1, 1, 0, 0, 0.011, 0.0)
+        plain_steps += 1
+        assert plain_steps < 200, "the policy's optimism never recovers from a dip while plain"
+    assert policy.realized > low and plain_steps >= 5
 
 
 def test_the_drafters_confidence_is_calibrated_per_bin():

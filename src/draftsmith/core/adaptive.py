@@ -98,7 +98,11 @@ that draft they are optimistic (the winner's curse; DFlash on code-edit at concu
 16.6 tokens from 8 rows and emitted 14.7, and ~+10% predicted read ~-5% measured). So the policy also measures its
 own optimism: ``realized``, the drafts accepted over those it expected (E(d) - 1 per drafting row, for the k
 chosen), summed over recent drafting steps (decayed by ``REALIZED_DECAY``, ``REALIZED_PRIOR`` pseudo-tokens of
-1), scales the drafted part of every E(d): a step is priced at 1 + (E(d) - 1) x realized tokens per row.
+1), scales the drafted part of every E(d): a step is priced at 1 + (E(d) - 1) x realized tokens per row. Plain
+steps age those sums too (each decays them once, as a drafting step does), so ``realized`` returns towards 1 while
+nothing is drafted: at concurrency 1 a drafting step expects only ~2-4 drafts, a few hard steps in a row pulled
+``realized`` down and, as plain steps left it where it was, held auto plain long after the text got easy again
+(the request's own rates, which already saw those rejections, had recovered by ageing).
 
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
@@ -142,7 +146,7 @@ SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
 START_WEIGHT = 0.2  #: weight of one measured drafter start in ``start_s_per_position``
 OVERHEAD_WEIGHT = 0.05  #: weight of one step's measurement in ``between_s`` and the emission fit
 START_HORIZON = 256  #: most tokens a drafter start is spread over (module docstring)
-REALIZED_DECAY = 0.95  #: the drafted-token sums behind ``realized`` decay per drafting step (~20 recent steps weigh)
+REALIZED_DECAY = 0.95  #: the drafted-token sums behind ``realized`` decay per step (~20 recent steps weigh)
 REALIZED_PRIOR = 4.0  #: pseudo-tokens of a realized ratio of 1 in ``realized``
 COLLINEAR = 1e-3  #: below this 1 - cos^2 of (chunks, tokens) over the steps seen, emission is priced per chunk
 
@@ -554,11 +558,13 @@ class AdaptivePolicy:
             per_position = start_s / start_positions
             w = START_WEIGHT if self.start_s_per_position > 0 else 1.0  # the first measurement, when none was profiled
             self.start_s_per_position = (1 - w) * self.start_s_per_position + w * per_position
+        sums = self._realized_sums
         if k > 0 and self._expected > 0:  # the policy's own optimism (module docstring)
-            sums = self._realized_sums
             sums[0] = REALIZED_DECAY * sums[0] + self._accepted
             sums[1] = REALIZED_DECAY * sums[1] + self._expected
-            self.realized = (sums[0] + REALIZED_PRIOR) / (sums[1] + REALIZED_PRIOR)
+        elif k == 0:  # a plain step ages what the sums saw, as it does a request's counts
+            sums[0], sums[1] = REALIZED_DECAY * sums[0], REALIZED_DECAY * sums[1]
+        self.realized = (sums[0] + REALIZED_PRIOR) / (sums[1] + REALIZED_PRIOR)
         self._expected, self._accepted = 0.0, 0
         if k == 0:
             self._plain_s += verify_s + draft_s + start_s
