@@ -186,3 +186,30 @@ def test_grouped_query_attention_gives_the_same_values(monkeypatch):
     grouped = run()
     monkeypatch.setattr(target_module, "_grouped_query_sdpa", contextlib.nullcontext)
     assert torch.equal(grouped, run())
+
+
+def test_auto_reserves_its_last_choice_and_stays_within_the_budget():
+    """With a policy the budget reserves, per running row, the depth it chose last step (not k): a plain-decoding
+    batch leaves a waiting prompt the room plain decoding leaves it. A step's choice is then capped by what its
+    prefill left, so a step never reads more than ``max_num_batched_tokens``; output equals plain greedy."""
+    import lossless
+    from draftsmith.core.proposer import PerSequence
+    from draftsmith.drafters.ngram.proposer import NgramProposer
+
+    target = TargetModel(MODELS["llama"].eval())
+    cfg = GenerationConfig(max_new_tokens=10)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4], list(range(7, 7 + 30))]
+    want = [generate_plain(target, p, cfg).tokens for p in prompts]
+    for ks, whole in (((0,), True), ((8,), False)):
+        policy = lossless.ScriptedPolicy(ks)
+        proposer = PerSequence.over(lambda _sampling: NgramProposer(1, 3))
+        decoder = BatchDecoder(target, proposer, 8, max_num_batched_tokens=34, policy=policy)
+        seqs = [decoder.add(BatchSequence(p, cfg)) for p in prompts[:2]]
+        decoder.step()  # the two short prompts join and decode
+        seqs.append(decoder.add(BatchSequence(prompts[2], cfg)))
+        decoder.step()  # 30 prompt tokens: whole beside 2 plain rows (2 + 30 <= 34), chunked beside 2 rows of k = 8
+        assert (seqs[2].prefilled == 30) == whole, ks
+        decoder.run()
+        assert [s.result.tokens for s in seqs] == want
+        for rows in policy.rows:  # what each choice was offered: within what the step's prefill left
+            assert sum(1 + row[1] for row in rows) <= 34

@@ -8,7 +8,10 @@ One ``BatchDecoder.step()``:
      first that does not fit is prefilled in chunks over several steps (chunked prefill), so running rows
      never wait more than one budget's worth of prefill. A prefilled row takes its first token from the target
      and joins the running batch; its drafter starts (``BatchProposer.start``) when the row first drafts
-     (below);
+     (below). A fixed k reserves 1 + k tokens per running row; with a ``policy`` a row reserves 1 + the depth
+     the policy chose last step (its best guess at this one), and this step's choice is capped to what the
+     prefill left, so the step still reads at most the budget (reserving k_max = 8 per row while auto decodes
+     plain would leave a batch of long prompts less prefill per step than plain decoding has);
   3. running rows: each asks for k'_b = min(k, max_new_tokens_b - emitted_b - 1) drafts (``BatchProposer.
      propose``: one call for the batch); ONE target forward reads [last token_b, d_b1..d_bk'] for every row
      (``TargetModel.forward_batch``: padded, per-row positions and masks); each row is verified alone (greedy or
@@ -276,6 +279,8 @@ class BatchDecoder:
         self._start_s, self._start_positions = 0.0, 0  # drafter starts in the current step: seconds, positions
         self._mark: float | None = None  # when the last decode ended (None: idle since)
         self._prefill_s = 0.0  # prefill seconds since then
+        self._prefill_tokens = 0  # prompt tokens the current step's prefill read
+        self._last_k = 0  # the policy's last choice: the depth the next step's budget reserves per running row
         self.running: list[BatchSequence] = []  # in cache row order
         self.waiting: list[BatchSequence] = []  # arrival order; the first may be partly prefilled
 
@@ -326,8 +331,10 @@ class BatchDecoder:
     def step(self) -> list[BatchSequence]:
         """Run one scheduler step (module docstring); returns the sequences that ended in it."""
         ended = self._leave()
-        decode_tokens = sum(1 + self._reads(s) for s in self.running)
+        depth = self._last_k if self.policy is not None else self.k  # auto: its last choice (module docstring)
+        decode_tokens = sum(1 + self._reads(s, depth) for s in self.running)
         t0 = time.perf_counter()
+        self._prefill_tokens = 0
         ended += self._prefill(max(0, self.max_num_batched_tokens - decode_tokens))
         self._prefill_s += time.perf_counter() - t0
         if self.running:
@@ -347,9 +354,10 @@ class BatchDecoder:
         max_new_tokens are read (positions stay within what ``check_length`` allowed)."""
         return max(0, min(self.k, seq.cfg.max_new_tokens - len(seq.tokens) - 1))
 
-    def _reads(self, seq: BatchSequence) -> int:
-        """Draft tokens this row's verify step reads at most (a tree's node budget)."""
-        depth = self._requested(seq)
+    def _reads(self, seq: BatchSequence, depth: int | None = None) -> int:
+        """Draft tokens this row's verify step reads at most (a tree's node budget), drafting at most ``depth``
+        (None: k)."""
+        depth = self._requested(seq) if depth is None else min(depth, self._requested(seq))
         return min(depth * self.tree.topk, self.tree.num_nodes) if self.tree is not None and depth else depth
 
     def _finish(self, seq: BatchSequence) -> None:
@@ -437,6 +445,7 @@ class BatchDecoder:
                 seq.scheduled_s = now
         step = self.target.forward_batch(inputs, cache, final_hidden=self.final_hidden, last_only=True)
         cache.commit(chunks)
+        self._prefill_tokens += sum(chunks)
         ended, joined = [], []
         for b, (seq, chunk) in enumerate(zip(group, chunks)):
             seq.forwards += 1
@@ -477,6 +486,12 @@ class BatchDecoder:
         """One verify step over every running row (module docstring, step 3)."""
         rows = self.running
         caps = [self._requested(s) for s in rows]
+        if self.policy is not None:  # what this step's prefill left of the budget bounds the depth it may choose
+            room = self.max_num_batched_tokens - self._prefill_tokens
+            depth = max(caps, default=0)
+            while depth > 0 and sum(1 + self._reads(s, depth) for s in rows) > room:
+                depth -= 1
+            caps = [min(cap, depth) for cap in caps]
         self._start_s, self._start_positions = 0.0, 0
         t0 = time.perf_counter()  # the proposer's time (draft_s) includes the accepts made before the choice
         between = None if self._mark is None else max(0.0, t0 - self._mark - self._prefill_s)
@@ -492,6 +507,7 @@ class BatchDecoder:
                 [(s.estimate, *row) for s, *row in zip(rows, caps, confidence, starts, lefts)], batch_size=soon
             )
             ks = [min(choice.k, cap) if choice.rows is None or b in choice.rows else 0 for b, cap in enumerate(caps)]
+            self._last_k = choice.k if choice.rows is None else 0  # a probe drafts for one row, once
         else:
             ks = caps
         proposals = [Proposal.empty() for _ in rows]
