@@ -254,7 +254,7 @@ class ScriptedPolicy:
         """This step's k."""
         return self.ks[min(len(self.chosen), len(self.ks) - 1)]
 
-    def choose(self, rows, batch_size=None):
+    def choose(self, rows, batch_size=None, waiting=0):
         from draftsmith.core.adaptive import Choice
 
         self.rows.append(list(rows))

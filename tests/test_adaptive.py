@@ -13,6 +13,7 @@ from draftsmith.core.adaptive import (
     PROBE_AFTER,
     PROBE_BUDGET,
     REALIZED_PRIOR,
+    SPECULATE_MARGIN,
     AcceptanceEstimate,
     AdaptivePolicy,
     CostModel,
@@ -544,3 +545,27 @@ def test_an_ngram_confidence_is_its_match_length_known_for_every_row(tmp_path):
     assert [s.result.tokens for s in seqs] == [generate_plain(target, p, cfg).tokens for p in prompts]
     confidence = [[row[2] for row in rows] for rows in policy.rows]  # per step, each row's
     assert len(confidence) == 5 and all(c is not None and 0.0 <= c <= 1.0 for step in confidence for c in step)
+
+
+def test_a_closed_batch_does_not_draft_where_its_slowest_row_would_finish_later():
+    """With nobody waiting to join, a batch is done when its slowest row is (module docstring): drafting that wins
+    the step's tokens/s from the rows that accept, while the row that does not pays dearer steps for its one token,
+    is refused; with requests queued for a full batch (they take the finished rows' places), or every row
+    accepting, it drafts; and while a queued request has a free row to join, its prefill waits on the step: plain."""
+    policy = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=1.0, draft_ms=1.0), 4)
+    good, bad = policy.new_request(), policy.new_request()
+    for _ in range(30):
+        good.observe(4, 4)
+        bad.observe(4, 0)
+    left = 40
+    closed = [(good, 4, None, 0, left)] * 3 + [(bad, 4, None, 0, left)]
+    priced = [(policy.rates(est), cap, start, n) for est, cap, _, start, n in closed]
+    plain_rate, plain_drain = policy.throughput(priced, 0), policy.drain_seconds(priced, 0)
+    for k in range(1, 5):
+        assert policy.throughput(priced, k) > (1 + SPECULATE_MARGIN) * plain_rate  # the step's tokens/s: draft
+        assert policy.drain_seconds(priced, k) > plain_drain  # its slowest row: not
+    assert policy.drain_seconds(priced, 0) == pytest.approx(left * 11e-3)  # 40 plain steps of 11 ms
+    assert policy.choose(closed).k == 0
+    assert policy.choose(closed, batch_size=4, waiting=4).k > 0  # a full batch with a queue: finishing makes room
+    assert policy.choose([(good, 4, None, 0, left)] * 4).k > 0
+    assert policy.choose([(good, 4, None, 0, left)] * 4, batch_size=8).k == 0  # four wait for free rows

@@ -19,11 +19,27 @@ another context length, a noisy machine, time outside the decode step) are a few
 plain" is worth more than the last few percent of a marginal gain.
 
 One K serves the whole batch: the verify forward pads every row to the longest, so a row drafting less than K
-saves nothing there. The batch is priced at the size it will decode at, not only at the rows running now: while
-requests wait to join (their prefill in progress, ``core.batch``), B is running + waiting (at most max_num_seqs),
-the running rows standing for the whole batch (tokens and drafting rows scaled by B / running). A token drafted
-while the batch ramps up saves a step of the full batch, not of the few rows running, so drafting is chosen for
-the batch size it will pay at (else it wins a few cheap steps at the start and loses the drafter's starts).
+saves nothing there. Its tokens/s is not always the batch's measure, though; what the queue holds decides:
+
+- Requests queued for a full batch (running = max_num_seqs): a row that finishes sooner lets one in sooner, and
+  tokens/s is the measure.
+- A request waiting to join with a free row (its prefill in progress: ``core.batch`` prefills a few prompts a step,
+  grouped by length): the step is plain. A step's drafting delays its prefill, and in a batch sent together the
+  request that starts last finishes last. Measured behind the server (MLP speculator, code-foreign, concurrency 8,
+  2-core AMD EPYC): the 5 steps that prefilled the batch took 460 ms while auto drafted 2 in them, 381 ms plain,
+  the same prompts. (Pricing those steps at the batch they would decode at, running + waiting, chose drafting for
+  the full batch's sake, and the full batch paid for it by starting later. ``throughput`` still prices the running
+  rows as standing for that batch: what a probe is chosen by.)
+- Nobody waiting (a client's last requests; a benchmark's batch of c requests): the batch is done when its slowest
+  row is, not when it has emitted the most tokens per second. Drafting that wins a step's tokens/s from the rows
+  that accept finishes them early and leaves a row that does not to run alone, at a step's fixed price for about
+  one token a step: in the same cell the last row (it accepted 2 of the 57 tokens drafted for it) ran 17-25 steps
+  alone under auto against 1-2 under plain decoding. So a K that beats plain on tokens/s must also not lengthen
+  the batch's drain (``drain_seconds``): each row needs left / E(d) steps (left: what max_new_tokens leaves, at
+  most ``START_HORIZON``), and the batch pays each step at the size it has then. (Also spreading the rows' steps as
+  order statistics of their variance, for the straggler a drafting batch waits for, held auto plain where drafting
+  won: docstring at concurrency 8, EAGLE-3 1.13x -> 1.06x and MLP 1.41x -> 1.34x; the rows' lengths, cut by EOS,
+  vary far more than their step counts, and left cannot see them.)
 
 A row's drafter starts at its first draft (``core.batch``): a forward over its whole context so far, ~65 us per
 position for an EAGLE-3 head on the reference target, as much as a plain step for a 200-token prompt. A row that
@@ -454,11 +470,13 @@ class AdaptivePolicy:
             out.append(tokens * scale / max(seconds, 1e-9))
         return out
 
-    def choose(self, rows: Sequence[tuple], batch_size: int | None = None) -> Choice:
+    def choose(self, rows: Sequence[tuple], batch_size: int | None = None, waiting: int | None = None) -> Choice:
         """This step's k for ``rows``, each (its estimate, the most it may draft[, the drafter's confidence in its
         next draft or None[, context positions its drafter must read to start, 0 once started[, tokens it may still
         emit]]]), priced at ``batch_size`` rows (the batch once the waiting requests have joined; default: the rows
-        given; module docstring); counted in ``histogram``."""
+        given); ``waiting``: requests waiting to join (default: ``batch_size`` - rows; 0: the batch drains). While a
+        waiting request has a free row (``batch_size`` > rows) the step is plain, and a batch that nobody waits to
+        join drafts only what does not lengthen its drain (module docstring). Counted in ``histogram``."""
         if not rows:
             return Choice(0, 0.0)
         engine = self.engine.rates(self.prior, ENGINE_PRIOR)
@@ -472,9 +490,15 @@ class AdaptivePolicy:
         priced = _Rows(scored)
         best_cap = max(priced.caps)
         options = list(zip(self._options(priced, batch_size, range(best_cap + 1)), range(best_cap + 1)))
-        rate, k = max(options, key=lambda o: (o[0], -o[1]))
-        if k > 0 and rate < (1 + SPECULATE_MARGIN) * options[0][0]:
-            rate, k = options[0]
+        n = len(scored)
+        waiting = max(0, (batch_size or n) - n) if waiting is None else waiting
+        eligible = [o for o in options[1:] if o[0] >= (1 + SPECULATE_MARGIN) * options[0][0]]
+        if (batch_size or n) > n:  # a request waits for this step to end to start: drafting delays it
+            eligible = []
+        elif eligible and n > 1 and waiting == 0:  # nobody waits to join: the batch drains
+            drains = self._drains(priced, [0] + [k for _, k in eligible])
+            eligible = [o for o, drain in zip(eligible, drains[1:]) if drain <= drains[0]]
+        rate, k = max(eligible, key=lambda o: (o[0], -o[1])) if eligible else options[0]
         probe = False
         if k == 0 and best_cap > 0:
             self._plain_run += 1
@@ -495,6 +519,39 @@ class AdaptivePolicy:
         self._expected = sum(count * (p[min(k, cap)] - 1.0) for p, cap, count, _ in chosen.groups) if k else 0.0
         self._accepted = 0
         return Choice(k, rate, probe, (one,) if probe else None)
+
+    def drain_seconds(self, rows: Sequence[tuple], k: int) -> float:
+        """Modelled seconds until every one of ``rows`` (as ``throughput``'s) has emitted its tokens left, drafting
+        ``k`` per row every step and no row joining (module docstring: a closed batch)."""
+        return self._drains(_Rows(rows), [k])[0]
+
+    def _drains(self, rows: "_Rows", ks: Sequence[int]) -> list[float]:
+        """``drain_seconds`` at each of ``ks``: a row needs left / E(d) steps, and the batch pays each step at the
+        size it has then: rows leave in order of their steps, the one that needs the most running last, alone."""
+        out = []
+        for k in ks:
+            need = []  # (steps, depth, E) per row, by steps
+            for (prefix, cap, *_), members in zip(rows.groups, rows.members):
+                d = k if k < cap else cap
+                e = min(1.0 + (prefix[d] - 1.0) * self.realized, 1.0 + d)
+                need.extend((rows.lefts[b] / e, d, e) for b in members)
+            need.sort()
+            n = len(need)
+            depth, drafting, tokens = [0] * n, [0] * n, [0.0] * n  # over rows i.. (those still running)
+            for i in range(n - 1, -1, -1):
+                _, d, e = need[i]
+                later = (depth[i + 1], drafting[i + 1], tokens[i + 1]) if i + 1 < n else (0, 0, 0.0)
+                depth[i], drafting[i], tokens[i] = max(d, later[0]), later[1] + (d > 0), later[2] + e
+            total, done = 0.0, 0.0
+            for i, (steps, _, _) in enumerate(need):
+                if steps > done:  # n - i rows run these steps; one K serves them all (its deepest)
+                    t = 1 + self.reads(depth[i])
+                    step = self.verify_scale_at(n - i, t) * self.cost.verify(n - i, t) + self.between_s
+                    step += self.draft_scales.get(depth[i], self.draft_scale) * self.cost.draft(drafting[i], depth[i])
+                    total += (steps - done) * (step + self.emission.seconds(n - i, tokens[i]))
+                    done = steps
+            out.append(total)
+        return out
 
     def step_seconds(self, rows: Sequence[tuple[list[float], int]], k: int, batch_size: int | None = None) -> float:
         """Modelled seconds of one step drafting ``k`` per row, ``rows`` standing for ``batch_size`` rows
@@ -628,14 +685,19 @@ class _Rows:
         ]
         self.drafting = sum(1 for cap in self.caps if cap > 0)
         groups: dict[tuple[int, int], list] = {}
+        members: dict[tuple[int, int], list[int]] = {}
         if prefixes:
-            for row, cap, start, left in zip(rows, self.caps, self.starts, self.lefts):
-                group = groups.get((id(row[0]), cap))
+            for b, (row, cap, start, left) in enumerate(zip(rows, self.caps, self.starts, self.lefts)):
+                key = (id(row[0]), cap)
+                group = groups.get(key)
                 if group is None:
-                    group = groups[(id(row[0]), cap)] = [_prefix(row[0], cap), cap, 0, 0.0]
+                    group = groups[key] = [_prefix(row[0], cap), cap, 0, 0.0]
+                    members[key] = []
                 group[2] += 1
                 group[3] += start / left
+                members[key].append(b)
         self.groups = list(groups.values())
+        self.members = list(members.values())  #: per group, its rows' indices
 
 
 def _prefix(rates: Sequence[float], cap: int) -> list[float]:

@@ -108,13 +108,16 @@ class StepPolicy(Protocol):
         """Per-request state, kept in ``BatchSequence.estimate``."""
 
     def choose(
-        self, rows: Sequence[tuple[object, int, float | None, int, int]], batch_size: int | None = None
+        self,
+        rows: Sequence[tuple[object, int, float | None, int, int]],
+        batch_size: int | None = None,
+        waiting: int = 0,
     ) -> Choice:
         """k for this step, given each running row's (state, most drafts it may ask for, the drafter's confidence
         in its next draft or None, context positions its drafter must read to start: 0 once started, tokens it may
         still emit: what max_new_tokens leaves);
         ``batch_size``: the rows the batch will decode with once the waiting requests have joined (running +
-        waiting, at most ``max_num_seqs``)."""
+        waiting, at most ``max_num_seqs``); ``waiting``: the requests waiting to join (0: the batch drains)."""
 
     def observe(self, request: object, num_proposed: int, num_accepted: int) -> None:
         """One row's verify outcome: the depth it asked its drafter for (0: a plain step) and the drafts accepted.
@@ -504,7 +507,9 @@ class BatchDecoder:
             starts = [0 if s.started else len(s.prompt) + len(s.tokens) - 1 for s in rows]  # positions to read
             lefts = [s.cfg.max_new_tokens - len(s.tokens) for s in rows]  # what a start is spread over
             choice = self.policy.choose(
-                [(s.estimate, *row) for s, *row in zip(rows, caps, confidence, starts, lefts)], batch_size=soon
+                [(s.estimate, *row) for s, *row in zip(rows, caps, confidence, starts, lefts)],
+                batch_size=soon,
+                waiting=len(self.waiting),
             )
             ks = [min(choice.k, cap) if choice.rows is None or b in choice.rows else 0 for b, cap in enumerate(caps)]
             self._last_k = choice.k if choice.rows is None else 0  # a probe drafts for one row, once

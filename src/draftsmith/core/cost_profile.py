@@ -47,7 +47,7 @@ class _Schedule:
     def new_request(self) -> None:
         return None
 
-    def choose(self, rows, batch_size=None) -> Choice:
+    def choose(self, rows, batch_size=None, waiting=0) -> Choice:
         return Choice(self.k, 0.0)
 
     def observe(self, request, num_proposed: int, num_accepted: int) -> None:
