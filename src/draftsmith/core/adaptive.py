@@ -477,11 +477,11 @@ class AdaptivePolicy:
             out.append(tokens * scale / max(seconds, 1e-9))
         return out
 
-    def choose(self, rows: Sequence[tuple], batch_size: int | None = None, waiting: int | None = None) -> Choice:
+    def choose(self, rows: Sequence[tuple], batch_size: int | None = None, waiting: int = 0) -> Choice:
         """This step's k for ``rows``, each (its estimate, the most it may draft[, the drafter's confidence in its
         next draft or None[, context positions its drafter must read to start, 0 once started[, tokens it may still
         emit]]]), priced at ``batch_size`` rows (the batch once the waiting requests have joined; default: the rows
-        given); ``waiting``: requests waiting to join (default: ``batch_size`` - rows; 0: the batch drains). While a
+        given); ``waiting``: requests waiting to join (0: the batch drains). While a
         waiting request has a free row (``batch_size`` > rows) the step is plain, and a batch that nobody waits to
         join drafts only what does not lengthen its drain (module docstring). Counted in ``histogram``."""
         if not rows:
@@ -498,7 +498,6 @@ class AdaptivePolicy:
         best_cap = max(priced.caps)
         options = list(zip(self._options(priced, batch_size, range(best_cap + 1)), range(best_cap + 1)))
         n = len(scored)
-        waiting = max(0, (batch_size or n) - n) if waiting is None else waiting
         eligible = [o for o in options[1:] if o[0] >= (1 + SPECULATE_MARGIN) * options[0][0]]
         if (batch_size or n) > n:  # a request waits for this step to end to start: drafting delays it
             eligible = []
@@ -543,20 +542,15 @@ class AdaptivePolicy:
                 e = min(1.0 + (prefix[d] - 1.0) * self.realized, 1.0 + d)
                 need.extend((rows.lefts[b] / e, d, e) for b in members)
             need.sort()
-            n = len(need)
-            depth, drafting, tokens = [0] * n, [0] * n, [0.0] * n  # over rows i.. (those still running)
-            for i in range(n - 1, -1, -1):
-                _, d, e = need[i]
-                later = (depth[i + 1], drafting[i + 1], tokens[i + 1]) if i + 1 < n else (0, 0, 0.0)
-                depth[i], drafting[i], tokens[i] = max(d, later[0]), later[1] + (d > 0), later[2] + e
-            total, done = 0.0, 0.0
-            for i, (steps, _, _) in enumerate(need):
-                if steps > done:  # n - i rows run these steps; one K serves them all (its deepest)
-                    t = 1 + self.reads(depth[i])
-                    step = self.verify_scale_at(n - i, t) * self.cost.verify(n - i, t) + self.between_s
-                    step += self.draft_scales.get(depth[i], self.draft_scale) * self.cost.draft(drafting[i], depth[i])
-                    total += (steps - done) * (step + self.emission.seconds(n - i, tokens[i]))
-                    done = steps
+            total, depth, drafting, tokens = 0.0, 0, 0, 0.0
+            for i in range(len(need) - 1, -1, -1):  # from the last row to leave: rows i.. run until need[i]'s steps
+                steps, d, e = need[i]
+                depth, drafting, tokens = max(depth, d), drafting + (d > 0), tokens + e  # one K serves them all
+                since = need[i - 1][0] if i else 0.0
+                if steps > since:
+                    rows_left = len(need) - i
+                    step = self._step_s(rows_left, depth, drafting) + self.emission.seconds(rows_left, tokens)
+                    total += (steps - since) * step
             out.append(total)
         return out
 
@@ -570,9 +564,14 @@ class AdaptivePolicy:
         longest = min(k, max(rows.caps, default=0))
         b = max(batch_size or n, n)
         drafting = round(rows.drafting * b / max(n, 1)) if longest > 0 else 0
-        t = 1 + self.reads(longest)
+        return self._step_s(b, longest, drafting)
+
+    def _step_s(self, b: int, depth: int, drafting: int) -> float:
+        """Modelled seconds of one step of ``b`` rows, ``drafting`` of them drafting ``depth`` (verify, the time
+        between steps, drafts; scaled as measured)."""
+        t = 1 + self.reads(depth)
         seconds = self.verify_scale_at(b, t) * self.cost.verify(b, t) + self.between_s
-        return seconds + self.draft_scales.get(longest, self.draft_scale) * self.cost.draft(drafting, longest)
+        return seconds + self.draft_scales.get(depth, self.draft_scale) * self.cost.draft(drafting, depth)
 
     def verify_scale_at(self, b: int, t: int) -> float:
         """The verify forward's measured ÷ modelled cost at ``b`` rows of ``t`` tokens: its batch-size bucket's at
