@@ -10,6 +10,8 @@ import pytest
 import torch
 
 from draftsmith.core.adaptive import (
+    HOLD_GAP,
+    HOLD_STEPS,
     PROBE_AFTER,
     PROBE_BUDGET,
     REALIZED_PRIOR,
@@ -153,6 +155,40 @@ def test_a_marginal_gain_stays_plain():
         gain = policy.throughput([([rate], 1)], 1) / policy.throughput([([rate], 1)], 0)
         assert (gain > 1 + SPECULATE_MARGIN) == (want == 1) and gain > 1.0
         assert policy.choose([(None, 1)]).k == want
+
+
+def test_plain_by_far_holds_without_pricing_while_the_batch_is_unchanged():
+    """Where plain beats every k by more than HOLD_GAP, the next HOLD_STEPS steps of the same rows, batch size and
+    queue are plain without pricing (what a plain step costs the policy); a marginal loss is priced every step."""
+
+    def counted(rate: float, draft_ms: float) -> tuple[AdaptivePolicy, list]:
+        policy = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=0.0, draft_ms=draft_ms), 1)
+        policy.rates = lambda est, confidence=None, engine=None: [rate]
+        gain = policy.throughput([([rate], 1)], 1) / policy.throughput([([rate], 1)], 0)
+        assert (gain < 1 - HOLD_GAP) == (rate == 0.0) and gain < 1 + SPECULATE_MARGIN
+        priced, options = [], policy._options
+        policy._options = lambda *a: priced.append(1) or options(*a)
+        return policy, priced
+
+    policy, priced = counted(0.13, 1.0)  # drafting 1.13 / 1.1 of plain: below the margin, not by far
+    rows = [(policy.new_request(), 1) for _ in range(4)]
+    assert [policy.choose(rows).k for _ in range(6)] == [0] * 6 and len(priced) == 6
+
+    policy, priced = counted(0.0, 5.0)  # drafting 1 / 1.5 of plain: by far
+    rows = [(policy.new_request(), 1) for _ in range(4)]
+    assert [policy.choose(rows).k for _ in range(1 + HOLD_STEPS)] == [0] * (1 + HOLD_STEPS)
+    assert len(priced) == 1 and policy.histogram[0] == 1 + HOLD_STEPS  # held steps count as plain
+    policy.choose(rows)
+    assert len(priced) == 2  # the hold spent: priced again, and held again
+    changes = (
+        lambda: policy.choose(rows[:3] + [(policy.new_request(), 1)]),  # another request in a row
+        lambda: policy.choose(rows, batch_size=5),  # a request about to join
+        lambda: policy.choose(rows, waiting=1),  # a request in the queue
+    )
+    for change in changes:
+        before = len(priced)
+        change()
+        assert len(priced) == before + 1
 
 
 def test_a_request_estimate_pulls_away_from_the_engine():
