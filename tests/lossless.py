@@ -264,6 +264,9 @@ class ScriptedPolicy:
     def observe(self, request, num_proposed: int, num_accepted: int) -> None:
         self.observed.append((num_proposed, num_accepted))
 
+    def finish(self, request) -> None:
+        pass
+
     def observe_step(self, *args) -> None:
         self.steps.append(args)
 

@@ -146,6 +146,40 @@ def test_a_drafter_start_is_charged_over_the_tokens_left():
     assert policy.choose([(None, 8, None, 200, 200)]).k == 0
 
 
+def test_a_drafter_start_is_spread_over_what_started_requests_drafted():
+    """A start is spread over the tokens left times ``horizon``: what finished requests' drafting steps emitted after
+    their drafters started, over what they could still emit then. Requests that drafted 2 steps and went plain make
+    a new row's start dear; requests that drafted to their end keep it cheap; a row already started never pays."""
+    from draftsmith.core.adaptive import HORIZON_PRIOR
+
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 8)
+    trained(policy, 0.7)
+    policy.start_s_per_position = 5e-4  # 100 ms for a 200-position context, 10 ms for a 20-position one
+    new_row, started_row = (None, 8, None, 200, 60), (None, 8, None, 0, 60)
+    assert policy.horizon == 1.0 and policy.choose([new_row]).k > 0
+
+    def serve(drafting_steps: int) -> None:
+        request = policy.new_request()
+        assert policy.choose([(request, 8, None, 20, 60)]).k > 0 and request.start_left == 60  # a short context
+        for _ in range(drafting_steps):
+            policy.observe(request, 3, 1)  # 2 tokens a drafting step
+        policy.observe(request, 0, 0)  # then plain: nothing counted
+        policy.finish(request)
+
+    serve(2)
+    assert policy.horizon == pytest.approx((4 + HORIZON_PRIOR) / (60 + HORIZON_PRIOR))
+    for _ in range(10):
+        serve(2)
+    assert policy.horizon < 0.2
+    assert policy.choose([new_row]).k == 0  # 60 tokens times ~0.15: its 100 ms start is not repaid
+    assert policy.choose([started_row]).k > 0
+    for _ in range(30):
+        serve(30)  # 60 tokens, every one emitted by a drafting step
+    assert policy.horizon > 0.9 and policy.choose([new_row]).k > 0
+    policy.finish(None)  # a request without state, or whose drafter never started, changes nothing
+    assert policy.horizon > 0.9
+
+
 def test_a_marginal_gain_stays_plain():
     from draftsmith.core.adaptive import SPECULATE_MARGIN
 

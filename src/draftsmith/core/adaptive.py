@@ -51,6 +51,17 @@ to win one step. (Spreading it over the step's own cap instead, at most k, charg
 one step: at concurrency 8 a batch of new rows then looked slower drafting than plain, auto stayed plain until a
 few rows had started, drafted intermittently, and read 0.96x where k = 3 read 1.16x.)
 
+What a start buys is the tokens the row's drafting steps emit afterwards, and "every token left" is what it buys only
+if the row drafts to its end: a row whose drafts stop paying goes plain, and one that meets EOS stops. So the tokens
+left are scaled by ``horizon``, measured: over finished requests whose drafter started, the tokens their drafting
+steps emitted since, over the tokens they could still emit then (decayed per request, ``HORIZON_PRIOR`` pseudo-tokens
+of 1). A step drafting d for a new row pays E(d) / (left x horizon) of its start. Measured behind the server (the
+draft model on code-edit, concurrency 8): at each batch's start auto drafted 3 for all 8 rows, starting 8 draft-model
+drafters over 1210-1451 context positions in one step (51-90 ms, ~55 us a position, against a 24 ms plain step);
+they drafted 2-3 steps and went plain (mean k 0.05-0.2), so each start was priced as spread over ~60 tokens and
+bought 5-8, and auto read 0.92-0.94x plain while its later drafting steps about broke even. Requests that draft to
+their end keep ``horizon`` near 1 (what was priced before); a row already started pays nothing for it either way.
+
 The choice is a function of the past only (earlier verify outcomes and the cost model), never
 of this step's drafts, so the output keeps the target's law: any k drafted from q and verified by
 ``core.verify`` is lossless (the contract tests run every drafter with ``auto``).
@@ -180,6 +191,8 @@ SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
 START_WEIGHT = 0.2  #: weight of one measured drafter start in ``start_s_per_position``
 OVERHEAD_WEIGHT = 0.05  #: weight of one step's measurement in ``between_s`` and the emission fit
 START_HORIZON = 256  #: most tokens a drafter start is spread over (module docstring)
+HORIZON_DECAY = 0.9  #: the sums behind ``horizon`` decay per finished request (~10 recent requests weigh)
+HORIZON_PRIOR = 64.0  #: pseudo-tokens of a horizon of 1 (every token left emitted by drafting steps)
 REALIZED_DECAY = 0.95  #: the drafted-token sums behind ``realized`` decay per step (~20 recent steps weigh)
 REALIZED_PRIOR = 4.0  #: pseudo-tokens of a realized ratio of 1 in ``realized``
 COLLINEAR = 1e-3  #: below this 1 - cos^2 of (chunks, tokens) over the steps seen, emission is priced per chunk
@@ -342,6 +355,8 @@ class AcceptanceEstimate:
         self.tried = [0.0] * k_max
         self.accepted = [0.0] * k_max
         self.confidence: float | None = None  #: the drafter's confidence at this step's choice (a request's)
+        self.start_left: int | None = None  #: tokens it could still emit when its drafter started (None: not yet)
+        self.drafted = 0  #: tokens its drafting steps emitted since its drafter started
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         """One verify step that drafted ``num_proposed`` positions along its path and accepted ``num_accepted``."""
@@ -436,6 +451,8 @@ class AdaptivePolicy:
         self._accepted = 0  # drafts accepted in the step being observed (``observe``)
         self.calibration = AcceptanceEstimate(CONFIDENCE_BINS, ENGINE_DECAY)  # per bin: position-1 counts
         self.start_s_per_position = cost.start_s_per_position  #: seconds of a drafter start per context position
+        self.horizon = 1.0  #: tokens started requests' drafting steps emitted ÷ the tokens left at their starts
+        self._horizon_sums = [0.0, 0.0]  # decayed (emitted by drafting steps, left at the start) over finished requests
         self.between_s = 0.0  #: measured seconds between two steps (module docstring)
         self.emission = EmissionCost()  #: measured seconds of emitting chunks and tokens (module docstring)
         self._between_seen = False
@@ -483,7 +500,7 @@ class AdaptivePolicy:
                 e = min(1.0 + (prefix[d] - 1.0) * self.realized, 1.0 + d)
                 tokens += count * e
                 if spread and d > 0:  # its rows' starts, each spread over the tokens it may still emit (E(d) <= left)
-                    starts += spread * self.start_s_per_position * e
+                    starts += spread * self.start_s_per_position * e / self.horizon
             seconds = self._seconds(rows, k, batch_size) + (starts + self.emission.seconds(n, tokens)) * scale
             out.append(tokens * scale / max(seconds, 1e-9))
         return out
@@ -498,7 +515,8 @@ class AdaptivePolicy:
         batch are plain without pricing (``HOLD_STEPS``; module docstring). Counted in ``histogram``."""
         if not rows:
             return Choice(0, 0.0)
-        key = (tuple(id(row[0]) for row in rows), batch_size, waiting)
+        ids = tuple(id(row[0]) for row in rows if row[0] is not None)  # rows without an estimate: never held
+        key = (ids, batch_size, waiting) if len(ids) == len(rows) else None
         held = self._held(key)
         if held is not None:
             return held
@@ -535,21 +553,25 @@ class AdaptivePolicy:
             if self._plain_run >= PROBE_AFTER and self._plain_s * PROBE_BUDGET >= probe_s:
                 rate, k, probe = rate_k, k_probe, True  # learn again: one row drafts once at the best positive k
                 self._plain_run, self._plain_s = 0, 0.0
-            elif far:
+            elif far and key is not None:
                 self._hold = (HOLD_STEPS, key, rate, probe_s)
         elif k > 0:
             self._plain_run, self._plain_s = 0, 0.0
         self._probing = probe
         self.histogram[k] += 1
         chosen = priced if not probe else _Rows([(r, c if b == one else 0) for b, (r, c, *_) in enumerate(scored)])
+        if k > 0:  # the rows whose drafter starts this step: what they may still emit, for ``horizon``
+            for b, row in enumerate(rows):
+                if row[0] is not None and priced.starts[b] and chosen.caps[b] > 0 and (not probe or b == one):
+                    row[0].start_left = priced.lefts[b]
         self._expected = sum(count * (p[min(k, cap)] - 1.0) for p, cap, count, _ in chosen.groups) if k else 0.0
         self._accepted = 0
         return Choice(k, rate, probe, (one,) if probe else None)
 
-    def _held(self, key: tuple) -> Choice | None:
+    def _held(self, key: tuple | None) -> Choice | None:
         """A plain step without pricing, while a hold set by the last priced step lasts (``HOLD_STEPS``; the same
         rows, batch size and queue, no probe due: module docstring); None: price this step."""
-        if self._hold is None:
+        if self._hold is None or key is None:
             return None
         steps, held, rate, probe_s = self._hold
         self._hold = None
@@ -704,12 +726,24 @@ class AdaptivePolicy:
         self.engine.observe(num_proposed, num_accepted)
         if request is not None:
             request.observe(num_proposed, num_accepted)
+            if request.start_left is not None:
+                request.drafted += num_accepted + 1
             if request.confidence is not None:
                 b = _bin(request.confidence)
                 c = self.calibration
                 c.tried[b] = c.decay * c.tried[b] + 1.0
                 c.accepted[b] = c.decay * c.accepted[b] + float(num_accepted > 0)
                 request.confidence = None
+
+    def finish(self, request: AcceptanceEstimate | None) -> None:
+        """A request ended: if its drafter started, the tokens its drafting steps emitted since, over those it could
+        still emit then, update ``horizon`` (module docstring)."""
+        if request is None or not request.start_left:
+            return
+        sums = self._horizon_sums
+        sums[0] = HORIZON_DECAY * sums[0] + min(request.drafted, request.start_left)
+        sums[1] = HORIZON_DECAY * sums[1] + request.start_left
+        self.horizon = max((sums[0] + HORIZON_PRIOR) / (sums[1] + HORIZON_PRIOR), 1.0 / START_HORIZON)
 
 
 class _Rows:

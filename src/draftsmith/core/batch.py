@@ -124,6 +124,9 @@ class StepPolicy(Protocol):
         The depth asked, not the depth drafted: the choice prices E(k) tokens for asking k, so a draft the drafter
         did not make (an n-gram's match shorter than k, or none) must count as a rejection there."""
 
+    def finish(self, request: object) -> None:
+        """A request ended (finished, stopped, cancelled or failed); ``request``: its state."""
+
     def observe_step(
         self,
         batch_size: int,
@@ -371,6 +374,8 @@ class BatchDecoder:
         seq.aux_chunks, seq.final_chunks = [], []
         if seq.error is None:
             seq.result = GenerationResult(list(seq.tokens), seq.finish_reason, seq.stats, seq.forwards)
+        if self.policy is not None:
+            self.policy.finish(seq.estimate)
 
     def _leave(self) -> list[BatchSequence]:
         """Drop ended rows from the cache, the proposer and the queues."""

@@ -53,6 +53,9 @@ class _Schedule:
     def observe(self, request, num_proposed: int, num_accepted: int) -> None:
         return None
 
+    def finish(self, request) -> None:
+        return None
+
     def observe_step(self, *args) -> None:
         return None
 
