@@ -562,7 +562,7 @@ class AdaptivePolicy:
         chosen = priced if not probe else _Rows([(r, c if b == one else 0) for b, (r, c, *_) in enumerate(scored)])
         if k > 0:  # the rows whose drafter starts this step: what they may still emit, for ``horizon``
             for b, row in enumerate(rows):
-                if row[0] is not None and priced.starts[b] and chosen.caps[b] > 0 and (not probe or b == one):
+                if row[0] is not None and priced.starts[b] and chosen.caps[b] > 0:  # a probe's: its one row
                     row[0].start_left = priced.lefts[b]
         self._expected = sum(count * (p[min(k, cap)] - 1.0) for p, cap, count, _ in chosen.groups) if k else 0.0
         self._accepted = 0
@@ -743,6 +743,7 @@ class AdaptivePolicy:
         sums = self._horizon_sums
         sums[0] = HORIZON_DECAY * sums[0] + min(request.drafted, request.start_left)
         sums[1] = HORIZON_DECAY * sums[1] + request.start_left
+        request.start_left = None  # counted once
         self.horizon = max((sums[0] + HORIZON_PRIOR) / (sums[1] + HORIZON_PRIOR), 1.0 / START_HORIZON)
 
 

@@ -125,7 +125,8 @@ class StepPolicy(Protocol):
         did not make (an n-gram's match shorter than k, or none) must count as a rejection there."""
 
     def finish(self, request: object) -> None:
-        """A request ended (finished, stopped, cancelled or failed); ``request``: its state."""
+        """A request left the batch (finished, stopped, cancelled or failed; not a whole batch's ``abort``);
+        ``request``: its state."""
 
     def observe_step(
         self,
@@ -374,8 +375,6 @@ class BatchDecoder:
         seq.aux_chunks, seq.final_chunks = [], []
         if seq.error is None:
             seq.result = GenerationResult(list(seq.tokens), seq.finish_reason, seq.stats, seq.forwards)
-        if self.policy is not None:
-            self.policy.finish(seq.estimate)
 
     def _leave(self) -> list[BatchSequence]:
         """Drop ended rows from the cache, the proposer and the queues."""
@@ -393,6 +392,8 @@ class BatchDecoder:
             self.waiting.remove(seq)
             ended.append(seq)
         for seq in ended:
+            if self.policy is not None:
+                self.policy.finish(seq.estimate)
             if seq.result is None and seq.error is None:
                 self._finish(seq)
             else:
