@@ -422,7 +422,9 @@ def test_auto_through_the_engine(served, name):
     assert engine.policy.cost.start_s_per_position > 0
     assert "draftsmith:cost_model_start_seconds_per_position" in metrics
     emit = [line for line in metrics.splitlines() if line.startswith('draftsmith:adaptive_overhead_seconds{part="emit')]
-    assert len(emit) == 2 and float(emit[0].split()[-1]) > 0  # measured live: the engine has emitted tokens
+    # measured live: the engine has emitted tokens. Either part alone may fit to 0 (both are clamped >= 0, and a
+    # noisy step can put all of it on the other), so the invariant is that a chunk of one token costs something.
+    assert len(emit) == 2 and sum(float(line.split()[-1]) for line in emit) > 0
     measured = costs.profile_costs
     try:
         costs.profile_costs = None  # a second engine must read the cache, not measure
