@@ -630,3 +630,29 @@ def test_the_grid_confirms_the_cells_below_the_bar_by_pooling_more_paired_rounds
     assert grid_mod.main(["--tasks", "t", "--from-reports", "--out", str(tmp_path)]) == 0
     summary = json.loads((tmp_path / "grid.json").read_text())["summary"]
     assert summary["auto_below_bar"] == [] and summary["confirmed"] == [["t", "draft_model", 1, 7, 0.99]]
+
+
+def test_the_closed_batch_bench_forces_the_choice_after_auto_prices_it():
+    """bench/adaptive_closed.py's ``forceN``: auto's pricing runs, the step drafts N per row (capped by the rows'
+    own caps and k_max), and the histogram counts the forced k, not the one auto would have chosen."""
+    import importlib.util
+    from pathlib import Path
+
+    from draftsmith.core.adaptive import AdaptivePolicy, CostModel
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_closed.py"
+    spec = importlib.util.spec_from_file_location("adaptive_closed", path)
+    closed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(closed)
+
+    ts, ks = list(range(1, 10)), list(range(1, 9))
+    dear = CostModel([1, 4], ts, [[0.01 + 0.005 * t for t in ts]] * 2, ks, [[0.01 * k for k in ks]] * 2)
+    auto = AdaptivePolicy(dear, 4, prior=[0.05] * 4)  # drafting never pays: auto chooses plain
+    assert auto.choose([(auto.new_request(), 4), (auto.new_request(), 4)]).k == 0
+    forced = closed.ForcedPolicy(auto, 3)
+    assert (forced.cost, forced.k_max, forced.prior) == (auto.cost, auto.k_max, auto.prior)
+    rows = [(forced.new_request(), 4), (forced.new_request(), 2)]
+    assert forced.choose(rows).k == 3 and forced.histogram[3] == 1 and sum(forced.histogram) == 1
+    assert forced.choose([(forced.new_request(), 2)]).k == 2  # no row may draft 3
+    assert closed.ForcedPolicy(auto, 9).choose(rows).k == 4  # k_max
+    assert closed.ForcedPolicy(auto, 0).choose(rows).k == 0
