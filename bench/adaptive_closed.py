@@ -82,10 +82,11 @@ def build(a, variants: list[str], model, tok) -> dict:
     """``{variant: (engine, policy or None)}`` and ``"plain"``; raises ValueError for an unknown variant."""
 
     def engine(k):
-        cfg = BenchConfig(
-            methods=["none", a.method], k=k, head=a.head, draft_model=a.draft_model, tasks=[a.task]
-        )  # fmt: skip
-        spec = None if k is None else speculative_config(a.method, cfg)
+        """k None: plain decoding (no drafter)."""
+        spec = None
+        if k is not None:
+            cfg = BenchConfig(methods=["none", a.method], k=k, head=a.head, draft_model=a.draft_model, tasks=[a.task])
+            spec = speculative_config(a.method, cfg)
         return Engine(model, tok, spec, model_name=a.target)  # as `draftsmith serve` builds it (its cost model)
 
     out = {"plain": (engine(None), None)}

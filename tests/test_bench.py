@@ -656,3 +656,29 @@ def test_the_closed_batch_bench_forces_the_choice_after_auto_prices_it():
     assert forced.choose([(forced.new_request(), 2)]).k == 2  # no row may draft 3
     assert closed.ForcedPolicy(auto, 9).choose(rows).k == 4  # k_max
     assert closed.ForcedPolicy(auto, 0).choose(rows).k == 0
+
+
+def test_the_closed_batch_bench_runs_end_to_end(tmp_path, monkeypatch, capsys):
+    """bench/adaptive_closed.py on the reference target with n-gram drafts (no head to train): every variant runs
+    paired with plain, its greedy tokens equal plain's (checked by the script), and the JSON holds each variant's
+    seconds and speedups; force0 decodes every step plain through auto's engine."""
+    import importlib.util
+    from pathlib import Path
+
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_closed.py"
+    spec = importlib.util.spec_from_file_location("adaptive_closed", path)
+    closed = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(closed)
+    out = tmp_path / "closed.json"
+    args = ["--method", "ngram", "--task", "code-edit", "--num-prompts", "2", "--max-tokens", "4", "--rounds", "2"]
+    assert closed.main([*args, "--variants", "control", "auto", "force0", "k2", "--out", str(out)]) in (0, None)
+    report = json.loads(out.read_text())
+    assert list(report["variants"]) == ["control", "auto", "force0", "k2"] and report["rounds"] == 2
+    for row in report["variants"].values():
+        assert len(row["seconds"]) == len(row["plain_seconds"]) == 2 and row["speedup_median"] > 0
+    histogram = report["variants"]["force0"]["chosen_k_histogram"]
+    assert histogram[0] > 0 and sum(histogram[1:]) == 0
+    assert report["variants"]["control"]["chosen_k_histogram"] is None
+    status = closed.run_guarded("adaptive_closed.py", lambda: closed.main([*args, "--variants", "k0x"]))
+    assert status == 1 and "unknown variant 'k0x'" in capsys.readouterr().err  # one line, no traceback
