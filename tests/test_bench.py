@@ -33,6 +33,18 @@ from draftsmith.evaluation.bench_config import BenchConfig, build_parser, config
 from draftsmith.serve.server import BackgroundServer
 
 
+def bench_script(name: str):
+    """``bench/NAME.py`` loaded as a module (the bench scripts are not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _batch(wall_s, tokens, counters=None, ttft=0.1, latency=1.0, texts=None, concurrency=1, errors=None):
     texts = texts or [f"t{i}" for i in range(len(tokens))]
     errors = errors or [None] * len(tokens)
@@ -462,13 +474,7 @@ def test_the_aa_control_is_a_second_plain_server_measured_as_a_method(monkeypatc
 def test_the_grid_counts_the_aa_controls_cells_below_the_bar():
     """The grid reads the control once per (task, c) and says how many of auto's cells a method identical to plain
     would put below the bar at the control's rate, next to auto's own count."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_grid.py"
-    spec = importlib.util.spec_from_file_location("adaptive_grid", path)
-    grid_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grid_mod)
+    grid_mod = bench_script("adaptive_grid")
 
     def row(speedup, rounds=(100.0, 104.0)):
         return {"speedup": speedup, "output_tokens_per_s_rounds": list(rounds), "mean_chosen_k": 0.5}
@@ -495,14 +501,7 @@ def test_the_grid_names_cells_below_the_bar_in_every_round_and_resummarises_save
     """A cell's per-round speedups are its rounds' tokens/s over their paired plain batches; the grid lists the
     cells below the bar in every round (auto's and the control's) apart from those whose median alone is, and
     ``--from-reports`` rebuilds the grid from the saved reports with the run's own settings."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_grid.py"
-    spec = importlib.util.spec_from_file_location("adaptive_grid_rounds", path)
-    grid_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grid_mod)
+    grid_mod = bench_script("adaptive_grid")
 
     def row(rounds, paired=(100.0, 100.0, 100.0)):
         ratios = sorted(a / b for a, b in zip(rounds, paired))
@@ -561,14 +560,7 @@ def test_the_grid_confirms_the_cells_below_the_bar_by_pooling_more_paired_rounds
     """``--confirm``: the (task, c) with auto or the control below the bar are re-measured (only those drafters,
     the control only where it read below); each confirmed cell's speedup is the median over all its rounds, first
     and confirming, and ``--from-reports`` folds the saved confirmations in again."""
-    import importlib.util
-    import json
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_grid.py"
-    spec = importlib.util.spec_from_file_location("adaptive_grid_confirm", path)
-    grid_mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(grid_mod)
+    grid_mod = bench_script("adaptive_grid")
 
     def row(rounds):
         return {"output_tokens_per_s_rounds": list(rounds), "paired_baseline_tokens_per_s": [100.0] * len(rounds)}
@@ -635,15 +627,9 @@ def test_the_grid_confirms_the_cells_below_the_bar_by_pooling_more_paired_rounds
 def test_the_closed_batch_bench_forces_the_choice_after_auto_prices_it():
     """bench/adaptive_closed.py's ``forceN``: auto's pricing runs, the step drafts N per row (capped by the rows'
     own caps and k_max), and the histogram counts the forced k, not the one auto would have chosen."""
-    import importlib.util
-    from pathlib import Path
-
     from draftsmith.core.adaptive import AdaptivePolicy, CostModel
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_closed.py"
-    spec = importlib.util.spec_from_file_location("adaptive_closed", path)
-    closed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(closed)
+    closed = bench_script("adaptive_closed")
 
     ts, ks = list(range(1, 10)), list(range(1, 9))
     dear = CostModel([1, 4], ts, [[0.01 + 0.005 * t for t in ts]] * 2, ks, [[0.01 * k for k in ks]] * 2)
@@ -658,18 +644,12 @@ def test_the_closed_batch_bench_forces_the_choice_after_auto_prices_it():
     assert closed.ForcedPolicy(auto, 0).choose(rows).k == 0
 
 
-def test_the_closed_batch_bench_runs_end_to_end(tmp_path, monkeypatch, capsys):
+def test_the_closed_batch_bench_runs_end_to_end(tmp_path, capsys):
     """bench/adaptive_closed.py on the reference target with n-gram drafts (no head to train): every variant runs
     paired with plain, its greedy tokens equal plain's (checked by the script), and the JSON holds each variant's
     seconds and speedups; force0 decodes every step plain through auto's engine."""
-    import importlib.util
-    from pathlib import Path
 
-    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
-    path = Path(__file__).resolve().parents[1] / "bench" / "adaptive_closed.py"
-    spec = importlib.util.spec_from_file_location("adaptive_closed", path)
-    closed = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(closed)
+    closed = bench_script("adaptive_closed")
     out = tmp_path / "closed.json"
     args = ["--method", "ngram", "--task", "code-edit", "--num-prompts", "2", "--max-tokens", "4", "--rounds", "2"]
     assert closed.main([*args, "--variants", "control", "auto", "force0", "k2", "--out", str(out)]) in (0, None)
