@@ -238,7 +238,7 @@ class ScriptedPolicy:
     """A step policy (``core.batch.StepPolicy``) for tests: step i drafts ``ks[i]`` in every row (past the end, the
     last k again; default: plain decoding throughout). It records what the decoder tells it: ``rows`` (each
     ``choose``'s rows), ``chosen`` (each step's k), ``observed`` ((depth asked, accepted) per row and step) and
-    ``steps`` (each ``observe_step``'s arguments)."""
+    ``steps`` (each ``observe_step``'s positional arguments) and ``step_kwargs`` (its keyword arguments)."""
 
     def __init__(self, ks=(0,)):
         self.ks = list(ks)
@@ -246,6 +246,7 @@ class ScriptedPolicy:
         self.chosen: list[int] = []
         self.observed: list[tuple[int, int]] = []
         self.steps: list[tuple] = []
+        self.step_kwargs: list[dict] = []
 
     def new_request(self):
         return None
@@ -267,8 +268,9 @@ class ScriptedPolicy:
     def finish(self, request) -> None:
         pass
 
-    def observe_step(self, *args) -> None:
+    def observe_step(self, *args, **kwargs) -> None:
         self.steps.append(args)
+        self.step_kwargs.append(kwargs)
 
 
 class RandomSchedule(ScriptedPolicy):

@@ -639,3 +639,95 @@ def test_a_closed_batch_does_not_draft_where_its_slowest_row_would_finish_later(
     assert policy.choose(closed, batch_size=4, waiting=4).k > 0  # a full batch with a queue: finishing makes room
     assert policy.choose([(good, 4, None, 0, left)] * 4).k > 0
     assert policy.choose([(good, 4, None, 0, left)] * 4, batch_size=8).k == 0  # four wait for free rows
+
+
+def test_a_catch_up_is_measured_apart_from_the_drafts_and_fitted_per_row_and_position():
+    """A step that resumes drafting after plain steps first catches its drafters up on the positions those left.
+    Those seconds come apart from ``draft_s``, so the draft scales keep the drafts' own cost (inside ``draft_s``
+    they read every drafting step ~2x dearer: EAGLE-3, code-foreign), and fit a part per row and per position."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 4)
+    for i in range(100):
+        rows, positions = 1 + i % 3, 4 + 5 * (i % 4)  # 2 ms a row, 0.1 ms a position
+        policy.observe_step(
+            4, 4, 4, 3, 0.013, 0.003,
+            catch_up_s=0.002 * rows + 0.0001 * positions, catch_up_rows=rows, catch_up_positions=positions,
+        )  # fmt: skip
+    assert policy.draft_scales[3] == pytest.approx(1.0) and policy.draft_scale == pytest.approx(1.0)
+    assert policy.catch_up.per_chunk == pytest.approx(0.002) and policy.catch_up.per_token == pytest.approx(1e-4)
+
+
+def test_a_catch_up_is_spread_over_the_tokens_a_resumed_run_emits():
+    """A row resuming after plain steps pays its catch-up spread over the tokens a drafting run that resumed emits
+    (``run_tokens``, measured): long runs make a catch-up cheap and short ones dear; a row with nothing to catch up
+    on pays nothing, and a row never started pays its start instead (``horizon``)."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 4)
+    policy.catch_up.per_chunk, policy.catch_up.per_token = 0.002, 1e-4
+    rates = [0.7] * 4
+    current, behind = [(rates, 3, 0, 100, 0)], [(rates, 3, 0, 100, 40)]
+    assert policy.throughput(behind, 0) == policy.throughput(current, 0)  # plain: nothing to catch up on
+    assert policy.throughput(behind, 3) < policy.throughput(current, 3)
+    dear = policy.throughput(behind, 3)
+    request = policy.new_request()
+    for _ in range(10):  # runs of 40 tokens: each resumes, drafts 10 steps of 4 tokens, then a plain step
+        request.resuming = True
+        for _ in range(10):
+            policy.observe(request, 3, 3)
+            request.resuming = False
+        policy.observe(request, 0, 0)
+    assert 30 < policy.run_tokens < 40
+    assert dear < policy.throughput(behind, 3) < policy.throughput(current, 3)
+    policy.observe(request, 0, 0)  # a plain step with no run under way counts no run
+    probe = policy.new_request()
+    probe.resuming, policy._probing = True, True
+    policy.observe(probe, 3, 0)  # a probe is not a run
+    assert probe.run is None
+
+
+def test_rows_that_resume_after_plain_steps_have_their_own_realized_ratio():
+    """Steps that resume drafting after plain steps accept less than the rows' rates say (code-edit: the text that
+    made a row plain is still hard when its rates, aged towards the engine's, price drafting again), so their
+    optimism is measured apart (``realized_resumed``) and prices only the rows that resume."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=1.0, draft_ms=1.0), 4)
+    policy.rates = lambda est, confidence=None, engine=None: [0.8] * 4
+    current, behind = policy.new_request(), policy.new_request()
+    for _ in range(50):
+        choice = policy.choose([(current, 3, None, 0, 100, 0), (behind, 3, None, 0, 100, 10)], 2, waiting=4)
+        k = choice.k
+        assert k > 0 and behind.resuming and not current.resuming
+        policy.observe(current, k, k)
+        policy.observe(behind, k, 0)
+        policy.observe_step(2, 1 + k, 2, k, 0.011 + 0.001 * k, 0.002 * k)
+    assert policy.realized_resumed < 0.25 and policy.realized > 0.8
+    resumed = policy.throughput([([0.8] * 4, 3, 0, 100, 10)], 3)
+    assert resumed < policy.throughput([([0.8] * 4, 3, 0, 100, 0)], 3)
+    assert policy.choose([(behind, 3, None, 0, 100, 10)]).k == 0
+
+
+def test_the_decoder_offers_and_reports_the_positions_plain_steps_left(tmp_path):
+    """With a drafter whose catch-up costs a forward, a row's plain steps leave positions its drafter has not read:
+    the choice is offered them per row (the rows' 6th element), and the step that drafts again reports their
+    accept apart (``catch_up_*``), not in ``draft_s``. Output stays plain greedy's."""
+    from conftest import make_tiny_llama
+    from draftsmith.core.batch import BatchDecoder, BatchSequence
+    from draftsmith.core.generate import GenerationConfig, generate_plain
+    from draftsmith.core.proposer import PerSequence
+    from draftsmith.core.target import TargetModel
+    from draftsmith.drafters.ngram.proposer import NgramProposer
+    from lossless import ScriptedPolicy
+
+    target = TargetModel(make_tiny_llama(seed=3))
+    proposer = PerSequence.over(lambda _sampling: NgramProposer(1, 3))
+    proposer.free_catch_up = False  # as a head's: rows that do not draft are not kept current
+    policy = ScriptedPolicy([2, 0, 0, 2, 2])
+    decoder = BatchDecoder(target, proposer, 2, policy=policy)
+    cfg = GenerationConfig(max_new_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6, 4, 5, 6, 4]]
+    seqs = [decoder.add(BatchSequence(p, cfg)) for p in prompts]
+    decoder.run()
+    assert [s.result.tokens for s in seqs] == [generate_plain(target, p, cfg).tokens for p in prompts]
+    catches = [[row[5] for row in rows] for rows in policy.rows]
+    assert catches[0] == [0, 0] and catches[1] == [0, 0]  # not started, then current after drafting
+    assert catches[2] == [1, 1] and catches[3] == [2, 2] and catches[4] == [0, 0]  # two plain steps, then current
+    kwargs = policy.step_kwargs
+    assert [kw["catch_up_rows"] for kw in kwargs[:5]] == [0, 0, 0, 2, 0]
+    assert kwargs[3]["catch_up_positions"] == 4 and kwargs[3]["catch_up_s"] > 0

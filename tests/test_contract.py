@@ -425,6 +425,10 @@ def test_auto_through_the_engine(served, name):
     # measured live: the engine has emitted tokens. Either part alone may fit to 0 (both are clamped >= 0, and a
     # noisy step can put all of it on the other), so the invariant is that a chunk of one token costs something.
     assert len(emit) == 2 and sum(float(line.split()[-1]) for line in emit) > 0
+    catch_up = [
+        line for line in metrics.splitlines() if line.startswith('draftsmith:adaptive_overhead_seconds{part="catch')
+    ]
+    assert len(catch_up) == 2 and all(float(line.split()[-1]) >= 0 for line in catch_up)  # 0 until a row resumes
     measured = costs.profile_costs
     try:
         costs.profile_costs = None  # a second engine must read the cache, not measure

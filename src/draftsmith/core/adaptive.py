@@ -62,6 +62,24 @@ they drafted 2-3 steps and went plain (mean k 0.05-0.2), so each start was price
 bought 5-8, and auto read 0.92-0.94x plain while its later drafting steps about broke even. Requests that draft to
 their end keep ``horizon`` near 1 (what was priced before); a row already started pays nothing for it either way.
 
+A started row's plain steps leave positions its drafter has not read (``core.batch`` defers them), and the step that
+drafts for it again first catches the drafter up on them in one ``accept``: a forward over those positions for a
+head. ``core.batch`` times that catch-up apart from the drafts (``observe_step``'s ``catch_up_*``), so the draft
+scales keep the drafts' own cost, and the policy fits its seconds as a part per row and a part per position (the
+same online fit as ``EmissionCost``). Inside the draft seconds, it made every drafting step of EAGLE-3 on
+code-foreign at concurrency 8 look ~2x dearer than it is (21-23 ms measured against ~8 ms modelled: the few steps
+that drafted were resumptions), and auto drafted where it paid least. A row that resumes is charged its catch-up
+as a start is, spread over what it buys: the tokens a drafting run that resumed after plain steps emits until its
+next plain step or its end (``run_tokens``, measured over recent runs, decayed per run, ``RUN_PRIOR`` runs of
+``RUN_PRIOR_TOKENS``; a probe is not a run): a step drafting d for it pays min(1, E(d) / run_tokens) of it. (Priced
+per position alone, the rate measured on short catch-ups is mostly a forward's fixed cost over a few positions and
+overprices a long one: EAGLE-3 on docstring then drafted less, mean k 0.9-1.5 -> 0.2-0.5.) Resumed rows also have
+their own optimism, ``realized_resumed``, measured as ``realized`` is over the rows that resumed (their sums age per
+such step only, not per plain step: resumptions are apart by plain steps), and scaling their E(d): a row goes plain
+because its text got hard, and when its rates, aged towards the engine's, price drafting again, the text often is
+still hard. With the catch-up priced but not that ratio, EAGLE-3 on code-edit resumed more and read 0.94x plain in
+a closed batch where it read 1.03x before.
+
 The choice is a function of the past only (earlier verify outcomes and the cost model), never
 of this step's drafts, so the output keeps the target's law: any k drafted from q and verified by
 ``core.verify`` is lossless (the contract tests run every drafter with ``auto``).
@@ -100,9 +118,9 @@ so the policy drafts once at its best positive K (a probe) when exploring is aff
 plain steps in a row, and probes cost at most ``PROBE_BUDGET`` of the plain decoding time since the last one. A
 probe drafts for ONE row (a row whose drafter has started, else the one with the most tokens left; the others
 stay plain): the engine-wide estimate learns as much from it, and it costs one drafter start at most, not one per
-row. A probe's cost is its step's verify and draft seconds beyond a plain step's, modelled before the first probe and
-then as last measured (that includes the catch-up accept a probe triggers, which the model does not know), plus the
-probed row's drafter start when it has not started (its positions x ``start_s_per_position``). So where
+row. A probe's cost is its step's verify, draft and catch-up seconds beyond a plain step's, modelled before the first
+probe and then as last measured (the catch-up of the row it probed then), plus the probed row's drafter start when
+it has not started (its positions x ``start_s_per_position``). So where
 speculation does not pay, auto loses at most ~PROBE_BUDGET to exploring, at any batch size and drafter cost. (The
 budget is 1%: with the decoder's own bookkeeping, ~1% of a plain step at B = 8 on the reference target, a batch
 that never drafts stays within 2-3% of plain decoding, inside the "never slower than plain" bar's 3%.)
@@ -195,6 +213,10 @@ HORIZON_DECAY = 0.9  #: the sums behind ``horizon`` decay per finished request (
 HORIZON_PRIOR = 64.0  #: pseudo-tokens of a horizon of 1 (every token left emitted by drafting steps)
 REALIZED_DECAY = 0.95  #: the drafted-token sums behind ``realized`` decay per step (~20 recent steps weigh)
 REALIZED_PRIOR = 4.0  #: pseudo-tokens of a realized ratio of 1 in ``realized``
+RESUMED_DECAY = 0.9  #: the sums behind ``realized_resumed`` decay per step that resumes drafting (~10 recent ones)
+RUN_DECAY = 0.9  #: the sums behind ``run_tokens`` decay per ended drafting run (~10 recent runs weigh)
+RUN_PRIOR = 2.0  #: pseudo-runs of ``RUN_PRIOR_TOKENS`` tokens in ``run_tokens``
+RUN_PRIOR_TOKENS = 16.0  #: tokens of a prior drafting run
 COLLINEAR = 1e-3  #: below this 1 - cos^2 of (chunks, tokens) over the steps seen, emission is priced per chunk
 
 
@@ -357,6 +379,8 @@ class AcceptanceEstimate:
         self.confidence: float | None = None  #: the drafter's confidence at this step's choice (a request's)
         self.start_left: int | None = None  #: tokens it could still emit when its drafter started (None: not yet)
         self.drafted = 0  #: tokens its drafting steps emitted since its drafter started
+        self.resuming = False  #: at this step's choice its drafter had positions to catch up on (plain steps')
+        self.run: int | None = None  #: tokens emitted by its drafting run since it resumed (None: no such run)
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         """One verify step that drafted ``num_proposed`` positions along its path and accepted ``num_accepted``."""
@@ -456,6 +480,13 @@ class AdaptivePolicy:
         self.between_s = 0.0  #: measured seconds between two steps (module docstring)
         self.emission = EmissionCost()  #: measured seconds of emitting chunks and tokens (module docstring)
         self._between_seen = False
+        self.catch_up = EmissionCost()  #: measured seconds of a drafter's catch-up: per row and per position
+        self.run_tokens = RUN_PRIOR_TOKENS  #: tokens a drafting run that resumed after plain steps emits (mean)
+        self._run_sums = [0.0, 0.0]  # decayed (tokens, runs) over ended runs
+        self.realized_resumed = 1.0  #: ``realized`` over the rows that resumed drafting after plain steps
+        self._resumed_sums = [0.0, 0.0]  # decayed (accepted, expected) drafts of resumed rows
+        self._expected_resumed = 0.0  # as ``_expected``, for resumed rows
+        self._accepted_resumed = 0  # as ``_accepted``, for resumed rows
 
     def new_request(self) -> AcceptanceEstimate:
         """A fresh estimate for one request (its rates start at the engine's)."""
@@ -484,9 +515,19 @@ class AdaptivePolicy:
 
     def throughput(self, rows: Sequence[tuple], k: int, batch_size: int | None = None) -> float:
         """Expected emitted tokens per second of one step drafting ``k`` per row; ``rows``: (rates, cap[, context
-        positions its drafter must read to start, 0 when started[, tokens it may still emit, default cap + 1]]) each,
-        standing for ``batch_size`` rows (default: themselves; module docstring)."""
-        return self._options(_Rows(rows), batch_size, [k])[0]
+        positions its drafter must read to start, 0 when started[, tokens it may still emit, default cap + 1[,
+        positions its started drafter must catch up on, left by its plain steps]]]) each, standing for
+        ``batch_size`` rows (default: themselves; module docstring)."""
+        return self._options(self._rows(rows), batch_size, [k])[0]
+
+    def _rows(self, rows: Sequence[tuple]) -> "_Rows":
+        return _Rows(rows, catch_up=lambda positions: self.catch_up.seconds(1, positions))
+
+    def _tokens(self, prefix: list[float], d: int, resumed: bool) -> float:
+        """Expected tokens of one row drafting ``d`` (E(d)), its drafted part scaled by the realized ratio of its
+        kind (a row resuming after plain steps or not: module docstring), at most 1 + d."""
+        realized = self.realized_resumed if resumed else self.realized
+        return min(1.0 + (prefix[d] - 1.0) * realized, 1.0 + d)
 
     def _options(self, rows: "_Rows", batch_size: int | None, ks: Sequence[int]) -> list[float]:
         """``throughput`` at each of ``ks`` for the same rows: O(groups x len(ks)) (what ``choose`` prices)."""
@@ -494,14 +535,16 @@ class AdaptivePolicy:
         scale = max(batch_size or n, n) / max(n, 1)
         out = []
         for k in ks:
-            tokens, starts = 0.0, 0.0
-            for prefix, cap, count, spread in rows.groups:
+            tokens, once = 0.0, 0.0
+            for prefix, cap, count, spread, catch_s, resumed in rows.groups:
                 d = k if k < cap else cap
-                e = min(1.0 + (prefix[d] - 1.0) * self.realized, 1.0 + d)
+                e = self._tokens(prefix, d, resumed)
                 tokens += count * e
                 if spread and d > 0:  # its rows' starts, each spread over the tokens it may still emit (E(d) <= left)
-                    starts += spread * self.start_s_per_position * e / self.horizon
-            seconds = self._seconds(rows, k, batch_size) + (starts + self.emission.seconds(n, tokens)) * scale
+                    once += spread * self.start_s_per_position * e / self.horizon
+                if catch_s and d > 0:  # its rows' catch-ups, each spread over the tokens a resumed run emits
+                    once += catch_s * min(1.0, e / self.run_tokens)
+            seconds = self._seconds(rows, k, batch_size) + (once + self.emission.seconds(n, tokens)) * scale
             out.append(tokens * scale / max(seconds, 1e-9))
         return out
 
@@ -523,12 +566,12 @@ class AdaptivePolicy:
         engine = self.engine.rates(self.prior, ENGINE_PRIOR)
         scored = []
         for row in rows:
-            est, cap, confidence, start, left = (*row, None, 0, None)[:5]
+            est, cap, confidence, start, left, catch = (*row, *_ROW_DEFAULTS[len(row) - 2 :])
             if est is not None:
-                est.confidence = confidence
+                est.confidence, est.resuming = confidence, bool(catch)
             cap = max(0, min(cap, self.k_max))
-            scored.append((self.rates(est, confidence, engine), cap, start or 0, left))  # left None: ``_Rows``' default
-        priced = _Rows(scored)
+            scored.append((self.rates(est, confidence, engine), cap, start or 0, left, catch or 0))  # left: ``_Rows``
+        priced = self._rows(scored)
         best_cap = max(priced.caps)
         options = list(zip(self._options(priced, batch_size, range(best_cap + 1)), range(best_cap + 1)))
         n = len(scored)
@@ -559,13 +602,22 @@ class AdaptivePolicy:
             self._plain_run, self._plain_s = 0, 0.0
         self._probing = probe
         self.histogram[k] += 1
-        chosen = priced if not probe else _Rows([(r, c if b == one else 0) for b, (r, c, *_) in enumerate(scored)])
+        chosen = (
+            priced
+            if not probe
+            else self._rows([(r, c if b == one else 0, *rest) for b, (r, c, *rest) in enumerate(scored)])
+        )
         if k > 0:  # the rows whose drafter starts this step: what they may still emit, for ``horizon``
             for b, row in enumerate(rows):
                 if row[0] is not None and priced.starts[b] and chosen.caps[b] > 0:  # a probe's: its one row
                     row[0].start_left = priced.lefts[b]
-        self._expected = sum(count * (p[min(k, cap)] - 1.0) for p, cap, count, _ in chosen.groups) if k else 0.0
-        self._accepted = 0
+        self._expected = self._expected_resumed = 0.0
+        self._accepted = self._accepted_resumed = 0
+        for p, cap, count, _, _, resumed in chosen.groups if k else ():
+            if resumed:
+                self._expected_resumed += count * (p[min(k, cap)] - 1.0)
+            else:
+                self._expected += count * (p[min(k, cap)] - 1.0)
         return Choice(k, rate, probe, (one,) if probe else None)
 
     def _held(self, key: tuple | None) -> Choice | None:
@@ -581,13 +633,14 @@ class AdaptivePolicy:
         self._plain_run += 1
         self._probing = False
         self.histogram[0] += 1
-        self._expected, self._accepted = 0.0, 0
+        self._expected = self._expected_resumed = 0.0
+        self._accepted = self._accepted_resumed = 0
         return Choice(0, rate)
 
     def drain_seconds(self, rows: Sequence[tuple], k: int) -> float:
         """Modelled seconds until every one of ``rows`` (as ``throughput``'s) has emitted its tokens left, drafting
         ``k`` per row every step and no row joining (module docstring: a closed batch)."""
-        return self._drains(_Rows(rows), [k])[0]
+        return self._drains(self._rows(rows), [k])[0]
 
     def _drains(self, rows: "_Rows", ks: Sequence[int]) -> list[float]:
         """``drain_seconds`` at each of ``ks``: a row needs left / E(d) steps, and the batch pays each step at the
@@ -595,9 +648,9 @@ class AdaptivePolicy:
         out = []
         for k in ks:
             need = []  # (steps, depth, E) per row, by steps
-            for (prefix, cap, *_), members in zip(rows.groups, rows.members):
+            for (prefix, cap, _, _, _, resumed), members in zip(rows.groups, rows.members):
                 d = k if k < cap else cap
-                e = min(1.0 + (prefix[d] - 1.0) * self.realized, 1.0 + d)
+                e = self._tokens(prefix, d, resumed)
                 need.extend((rows.lefts[b] / e, d, e) for b in members)
             need.sort()
             total, depth, drafting, tokens = 0.0, 0, 0, 0.0
@@ -646,8 +699,10 @@ class AdaptivePolicy:
         start_s = start * self.start_s_per_position
         if self._probe_cost is not None:
             return self._probe_cost + start_s
+        catch = rows[row][4] if len(rows[row]) > 4 else 0
+        catch_s = self.catch_up.seconds(1, catch) if catch else 0.0
         alone = [(rates, k if b == row else 0, *rest) for b, (rates, _, *rest) in enumerate(rows)]
-        return max(0.0, self.step_seconds(alone, k) - self.step_seconds(rows, 0)) + start_s
+        return max(0.0, self.step_seconds(alone, k) - self.step_seconds(rows, 0)) + start_s + catch_s
 
     def observe_step(
         self,
@@ -662,20 +717,28 @@ class AdaptivePolicy:
         between_s: float | None = None,
         emit_s: float = 0.0,
         emitted: int = 0,
+        *,
+        catch_up_s: float = 0.0,
+        catch_up_rows: int = 0,
+        catch_up_positions: int = 0,
     ) -> None:
         """One step's measured costs: a verify forward over ``batch_size`` rows of ``tokens_per_row`` tokens took
         ``verify_s`` seconds, ``drafting`` rows drafting ``k`` took ``draft_s`` in the proposer (drafts and
         accepts), and drafter starts over ``start_positions`` context positions in all took ``start_s`` (a row's
-        first draft: ``core.batch``); ``between_s`` (None: not measured) passed between the previous step and this
-        one, and emitting its ``emitted`` tokens took ``emit_s`` (module docstring). Verify and draft seconds update
-        the scales, starts the cost per position, the others their averages; a plain step's seconds count towards
+        first draft: ``core.batch``); ``catch_up_rows`` drafting rows caught their drafters up on the
+        ``catch_up_positions`` positions their plain steps left in ``catch_up_s`` (not in ``draft_s``);
+        ``between_s`` (None: not measured) passed between the previous step and this one, and emitting its
+        ``emitted`` tokens took ``emit_s`` (module docstring). Verify and draft seconds update the scales, starts
+        the cost per position, catch-ups their fit, the others their averages; a plain step's seconds count towards
         the probe budget, a probe's set its cost."""
-        own = verify_s + draft_s + start_s
+        own = verify_s + draft_s + start_s + catch_up_s
         if between_s is not None and between_s >= 0:  # a pause longer than the step itself is no step's cost
             w = OVERHEAD_WEIGHT if self._between_seen else 1.0
             self.between_s, self._between_seen = (1 - w) * self.between_s + w * min(between_s, own), True
         if emitted > 0 and emit_s >= 0:  # one chunk per row
             self.emission.observe(batch_size, emitted, min(emit_s, own))
+        if catch_up_rows > 0 and catch_up_positions > 0:
+            self.catch_up.observe(catch_up_rows, catch_up_positions, catch_up_s)
         if start_positions > 0:
             per_position = start_s / start_positions
             w = START_WEIGHT if self.start_s_per_position > 0 else 1.0  # the first measurement, when none was profiled
@@ -687,12 +750,18 @@ class AdaptivePolicy:
         elif k == 0:  # a plain step ages what the sums saw, as it does a request's counts
             sums[0], sums[1] = REALIZED_DECAY * sums[0], REALIZED_DECAY * sums[1]
         self.realized = (sums[0] + REALIZED_PRIOR) / (sums[1] + REALIZED_PRIOR)
-        self._expected, self._accepted = 0.0, 0
+        sums = self._resumed_sums
+        if k > 0 and self._expected_resumed > 0:  # resumptions are apart by plain steps: those do not age these sums
+            sums[0] = RESUMED_DECAY * sums[0] + self._accepted_resumed
+            sums[1] = RESUMED_DECAY * sums[1] + self._expected_resumed
+            self.realized_resumed = (sums[0] + REALIZED_PRIOR) / (sums[1] + REALIZED_PRIOR)
+        self._expected = self._expected_resumed = 0.0
+        self._accepted = self._accepted_resumed = 0
         if k == 0:
             self._plain_s += verify_s + draft_s + start_s
         elif self._probing:
             plain = self.verify_scale_at(batch_size, 1) * self.cost.verify(batch_size, 1)
-            self._probe_cost = max(0.0, verify_s + draft_s - plain)  # its start: priced per position
+            self._probe_cost = max(0.0, verify_s + draft_s + catch_up_s - plain)  # its start: priced per position
         self._probing = False
 
         def update(key: tuple, scale: float, measured: float, modelled: float) -> float:
@@ -721,13 +790,21 @@ class AdaptivePolicy:
         if num_proposed <= 0:
             if request is not None:
                 request.age()
+                self._end_run(request)
             return
-        self._accepted += num_accepted
+        if request is not None and request.resuming:
+            self._accepted_resumed += num_accepted
+        else:
+            self._accepted += num_accepted
         self.engine.observe(num_proposed, num_accepted)
         if request is not None:
             request.observe(num_proposed, num_accepted)
             if request.start_left is not None:
                 request.drafted += num_accepted + 1
+            if request.resuming and not self._probing:  # a probe tries one step: it is not a run
+                request.run = 0
+            if request.run is not None:
+                request.run += num_accepted + 1
             if request.confidence is not None:
                 b = _bin(request.confidence)
                 c = self.calibration
@@ -738,7 +815,10 @@ class AdaptivePolicy:
     def finish(self, request: AcceptanceEstimate | None) -> None:
         """A request ended: if its drafter started, the tokens its drafting steps emitted since, over those it could
         still emit then, update ``horizon`` (module docstring)."""
-        if request is None or not request.start_left:
+        if request is None:
+            return
+        self._end_run(request)
+        if not request.start_left:
             return
         sums = self._horizon_sums
         sums[0] = HORIZON_DECAY * sums[0] + min(request.drafted, request.start_left)
@@ -746,15 +826,32 @@ class AdaptivePolicy:
         request.start_left = None  # counted once
         self.horizon = max((sums[0] + HORIZON_PRIOR) / (sums[1] + HORIZON_PRIOR), 1.0 / START_HORIZON)
 
+    def _end_run(self, request: AcceptanceEstimate) -> None:
+        """The drafting run ``request`` resumed (if any) ended, at a plain step or its end: its tokens update
+        ``run_tokens`` (module docstring)."""
+        if request.run is None:
+            return
+        sums = self._run_sums
+        sums[0] = RUN_DECAY * sums[0] + request.run
+        sums[1] = RUN_DECAY * sums[1] + 1.0
+        request.run = None
+        self.run_tokens = (sums[0] + RUN_PRIOR * RUN_PRIOR_TOKENS) / (sums[1] + RUN_PRIOR)
+
+
+_ROW_DEFAULTS = (None, 0, None, 0)  # a row's (confidence, start positions, tokens left, catch-up positions) unsaid
+
 
 class _Rows:
     """A batch's rows as priced: cap (most drafts), start positions and tokens left (at most ``START_HORIZON``; at
-    least cap + 1) per row; and ``groups``, the rows that share one rates list and cap (every request that has not
-    drafted yet shares the engine's), each as (E(d) for d = 0..cap, cap, rows, sum of start positions / tokens left):
-    pricing every k is O(groups x k), one pass over each group's rates, not O(rows x k^2)."""
+    least cap + 1) per row; and ``groups``, the rows that share one rates list, cap and whether they resume after
+    plain steps (every request that has not drafted yet shares the engine's), each as (E(d) for d = 0..cap, cap,
+    rows, sum of start positions / tokens left, sum of catch-up seconds, resumed): pricing every k is
+    O(groups x k), one pass over each group's rates, not O(rows x k^2). ``catch_up``: seconds of a catch-up over
+    so many positions (None: catch-ups cost nothing)."""
 
-    def __init__(self, rows: Sequence[tuple], prefixes: bool = True):
+    def __init__(self, rows: Sequence[tuple], prefixes: bool = True, catch_up=None):
         self.caps = [max(0, row[1]) for row in rows]
+        catches = [(row[4] or 0) if len(row) > 4 else 0 for row in rows]
         self.starts = [(row[2] or 0) if len(row) > 2 else 0 for row in rows]
         self.lefts = [
             max(cap + 1, min(row[3] if len(row) > 3 and row[3] is not None else cap + 1, START_HORIZON))
@@ -764,14 +861,16 @@ class _Rows:
         groups: dict[tuple[int, int], list] = {}
         members: dict[tuple[int, int], list[int]] = {}
         if prefixes:
-            for b, (row, cap, start, left) in enumerate(zip(rows, self.caps, self.starts, self.lefts)):
-                key = (id(row[0]), cap)
+            for b, (row, cap, start, left, catch) in enumerate(zip(rows, self.caps, self.starts, self.lefts, catches)):
+                key = (id(row[0]), cap, catch > 0)
                 group = groups.get(key)
                 if group is None:
-                    group = groups[key] = [_prefix(row[0], cap), cap, 0, 0.0]
+                    group = groups[key] = [_prefix(row[0], cap), cap, 0, 0.0, 0.0, catch > 0]
                     members[key] = []
                 group[2] += 1
                 group[3] += start / left
+                if catch > 0 and catch_up is not None:
+                    group[4] += catch_up(catch)
                 members[key].append(b)
         self.groups = list(groups.values())
         self.members = list(members.values())  #: per group, its rows' indices

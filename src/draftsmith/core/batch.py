@@ -27,7 +27,9 @@ accepts, starts, emitting its tokens, and the time between the previous step and
 its verified positions wait (``BatchSequence.pending``) and reach ``BatchProposer.accept`` as ONE call, before the
 row's next ``propose`` (or once ``PENDING_LIMIT`` tokens wait): several plain steps are one context extension of
 n + 1 positions, which every proposer reads as after a verify step that accepted n drafts. So a plain step costs
-the drafter nothing, and a drafter catches up in one forward when drafting resumes. Accepts are deferred so for
+the drafter nothing, and a drafter catches up in one forward when drafting resumes (with a policy, the choice is
+offered each row's positions waiting, and that catch-up's seconds are reported apart from the drafts'). Accepts
+are deferred so for
 every row (a fixed k too): the accept of a row's last step, after which it leaves, is never made.
 
 The drafter's start is deferred the same way (lazy start): a row's prefill states wait with its pending positions,
@@ -109,13 +111,14 @@ class StepPolicy(Protocol):
 
     def choose(
         self,
-        rows: Sequence[tuple[object, int, float | None, int, int]],
+        rows: Sequence[tuple[object, int, float | None, int, int, int]],
         batch_size: int | None = None,
         waiting: int = 0,
     ) -> Choice:
         """k for this step, given each running row's (state, most drafts it may ask for, the drafter's confidence
         in its next draft or None, context positions its drafter must read to start: 0 once started, tokens it may
-        still emit: what max_new_tokens leaves);
+        still emit: what max_new_tokens leaves, positions its started drafter must catch up on: those its plain
+        steps left);
         ``batch_size``: the rows the batch will decode with once the waiting requests have joined (running +
         waiting, at most ``max_num_seqs``); ``waiting``: the requests waiting to join (0: the batch drains)."""
 
@@ -141,13 +144,18 @@ class StepPolicy(Protocol):
         between_s: float | None = None,
         emit_s: float = 0.0,
         emitted: int = 0,
+        *,
+        catch_up_s: float = 0.0,
+        catch_up_rows: int = 0,
+        catch_up_positions: int = 0,
     ) -> None:
         """One step's measured seconds: the verify forward (rows, padded tokens per row), the proposer's drafts
-        and accepts, and the drafter starts (lazy: a row's first draft) made in the step over ``start_positions``
-        context positions in all; ``between_s``: the seconds between the previous step's end and this step's start,
-        prefill excluded (the scheduler's and the server's work between steps; None when the decoder was idle in
-        between); ``emit_s``: the seconds this step spent emitting its ``emitted`` tokens (the stop rules and the
-        requests' callbacks: a server's detokenizing and streaming)."""
+        and accepts (but catch-ups), and the drafter starts (lazy: a row's first draft) made in the step over
+        ``start_positions`` context positions in all; ``catch_up_s``: the accepts of ``catch_up_rows`` drafting rows
+        over the ``catch_up_positions`` positions their plain steps left; ``between_s``: the seconds between the
+        previous step's end and this step's start, prefill excluded (the scheduler's and the server's work between
+        steps; None when the decoder was idle in between); ``emit_s``: the seconds this step spent emitting its
+        ``emitted`` tokens (the stop rules and the requests' callbacks: a server's detokenizing and streaming)."""
 
 
 @dataclass(eq=False)
@@ -512,8 +520,9 @@ class BatchDecoder:
             soon = min(self.max_num_seqs, len(rows) + len(self.waiting))  # the batch once the waiting have joined
             starts = [0 if s.started else len(s.prompt) + len(s.tokens) - 1 for s in rows]  # positions to read
             lefts = [s.cfg.max_new_tokens - len(s.tokens) for s in rows]  # what a start is spread over
+            catches = [s.pending_positions if s.started else 0 for s in rows]  # left by plain steps
             choice = self.policy.choose(
-                [(s.estimate, *row) for s, *row in zip(rows, caps, confidence, starts, lefts)],
+                [(s.estimate, *row) for s, *row in zip(rows, caps, confidence, starts, lefts, catches)],
                 batch_size=soon,
                 waiting=len(self.waiting),
             )
@@ -523,8 +532,12 @@ class BatchDecoder:
             ks = caps
         proposals = [Proposal.empty() for _ in rows]
         drafting = [b for b, k in enumerate(ks) if k > 0] if self.proposer is not None else []
+        catch_up_s, catch_up = 0.0, [rows[b].pending_positions for b in drafting if rows[b].started]
+        catch_up = [n for n in catch_up if n > 0]  # with a policy: rows resuming after plain steps
         if drafting:
+            ta, starts_before = time.perf_counter(), self._start_s
             self._flush([rows[b] for b in drafting])
+            catch_up_s = time.perf_counter() - ta - (self._start_s - starts_before)
             keys, wanted = [rows[b].key for b in drafting], [ks[b] for b in drafting]
             if self.tree is not None:
                 got = self.proposer.propose_tree(keys, self.tree, wanted)
@@ -596,12 +609,15 @@ class BatchDecoder:
                 len(drafting),
                 max(ks),
                 t2 - t1,
-                (t1 - t0) + (t3 - t2) - self._start_s,
+                (t1 - t0) + (t3 - t2) - self._start_s - catch_up_s,
                 self._start_s,
                 self._start_positions,
                 between,
                 t4 - t3,
                 sum(int(out.numel()) for out in emitted),
+                catch_up_s=catch_up_s,
+                catch_up_rows=len(catch_up),
+                catch_up_positions=sum(catch_up),
             )
         return ended
 

@@ -56,7 +56,7 @@ class _Schedule:
     def finish(self, request) -> None:
         return None
 
-    def observe_step(self, *args) -> None:
+    def observe_step(self, *args, **kwargs) -> None:
         return None
 
 

@@ -206,13 +206,16 @@ class EngineMetrics:
             live = Gauge(
                 PREFIX + "adaptive_overhead_seconds",
                 "Seconds adaptive speculation prices outside the decode work, measured live: between two steps "
-                "(per step), emitting a row's chunk (per chunk) and each token (per token).",
+                "(per step), emitting a row's chunk (per chunk) and each token (per token), a drafter's catch-up on "
+                "the positions its plain steps left (per row and per position).",
                 ["part"],
                 registry=r,
             )
             live.labels(part="between_steps").set_function(lambda: policy.between_s)
             live.labels(part="emit_per_chunk").set_function(lambda: policy.emission.per_chunk)
             live.labels(part="emit_per_token").set_function(lambda: policy.emission.per_token)
+            live.labels(part="catch_up_per_row").set_function(lambda: policy.catch_up.per_chunk)
+            live.labels(part="catch_up_per_position").set_function(lambda: policy.catch_up.per_token)
         verify = Gauge(
             PREFIX + "cost_model_verify_seconds",
             "Measured seconds of one verify forward over batch_size rows of tokens_per_row tokens.",
