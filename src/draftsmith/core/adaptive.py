@@ -235,6 +235,9 @@ class EmissionCost:
     (exponentially weighted sums of chunks^2, chunks x tokens, tokens^2, chunks x seconds, tokens x seconds),
     both parts >= 0. While every chunk held one token (plain decoding) the two parts cannot be told apart
     (``COLLINEAR``) and all of it is priced per chunk, as measured above.
+
+    The same fit prices a drafter's catch-up after plain steps (``AdaptivePolicy.catch_up``): one part per row
+    caught up (a "chunk") and one per position it reads (a "token").
     """
 
     def __init__(self):

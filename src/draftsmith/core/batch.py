@@ -529,11 +529,10 @@ class BatchDecoder:
             ks = [min(choice.k, cap) if choice.rows is None or b in choice.rows else 0 for b, cap in enumerate(caps)]
             self._last_k = choice.k if choice.rows is None else 0  # a probe drafts for one row, once
         else:
-            ks = caps
+            ks, catches = caps, [0] * len(rows)
         proposals = [Proposal.empty() for _ in rows]
         drafting = [b for b, k in enumerate(ks) if k > 0] if self.proposer is not None else []
-        catch_up_s, catch_up = 0.0, [rows[b].pending_positions for b in drafting if rows[b].started]
-        catch_up = [n for n in catch_up if n > 0]  # with a policy: rows resuming after plain steps
+        catch_up_s, catch_up = 0.0, [catches[b] for b in drafting if catches[b] > 0]  # rows resuming after plain steps
         if drafting:
             ta, starts_before = time.perf_counter(), self._start_s
             self._flush([rows[b] for b in drafting])
