@@ -662,3 +662,35 @@ def test_the_closed_batch_bench_runs_end_to_end(tmp_path, capsys):
     assert report["variants"]["control"]["chosen_k_histogram"] is None
     status = closed.run_guarded("adaptive_closed.py", lambda: closed.main([*args, "--variants", "k0x"]))
     assert status == 1 and "unknown variant 'k0x'" in capsys.readouterr().err  # one line, no traceback
+
+
+def test_the_closed_batch_bench_interleaves_a_pair_step_by_step(tmp_path):
+    """bench/adaptive_closed.py ``--interleave``: each variant's batch and its plain batch run at once, the next step
+    going to the decoder that has spent less; tokens still equal plain's, and a decoder's ``between_s`` leaves
+    the other's steps out (``BatchDecoder.exclude``)."""
+    from draftsmith.core.batch import BatchDecoder, BatchSequence
+    from draftsmith.core.generate import GenerationConfig
+    from draftsmith.core.target import TargetModel
+    from draftsmith.models import load_causal_lm
+
+    closed = bench_script("adaptive_closed")
+    out = tmp_path / "closed.json"
+    args = ["--method", "ngram", "--task", "code-edit", "--num-prompts", "2", "--max-tokens", "4", "--rounds", "1"]
+    assert closed.main([*args, "--variants", "control", "auto", "--interleave", "--out", str(out)]) in (0, None)
+    report = json.loads(out.read_text())
+    assert report["interleaved"] is True and list(report["variants"]) == ["control", "auto"]
+
+    model, tok = load_causal_lm("reference", role="target")
+    target = TargetModel(model, tok)
+    decoders = [BatchDecoder(target, None) for _ in range(2)]
+    for d, n in zip(decoders, (3, 9)):  # the second decodes three times the tokens
+        d.add(BatchSequence([1, 2, 3], GenerationConfig(max_new_tokens=n, temperature=0.0)))
+    marks = []
+    exclude = decoders[0].exclude
+    decoders[0].exclude = lambda s: (marks.append((decoders[0]._mark, s)), exclude(s))
+    spent = closed.interleave(decoders)
+    assert not any(d.has_work for d in decoders) and all(s > 0 for s in spent)
+    assert any(mark is not None and s > 0 for mark, s in marks)  # the other's steps were left out of its between_s
+    decoders[0]._mark = 10.0
+    exclude(0.5)
+    assert decoders[0]._mark == 10.5

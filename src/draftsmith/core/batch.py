@@ -342,6 +342,13 @@ class BatchDecoder:
         self.cache = BatchKVCache(self.target.model.config)
         return ended
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` since the last step out of the next step's ``between_s`` (``StepPolicy.observe_step``):
+        time this decoder did not own, e.g. another decoder's steps on the same device while a bench interleaves
+        two (``bench/adaptive_closed.py --interleave``). Nothing to do while idle (no ``between_s`` then)."""
+        if self._mark is not None:
+            self._mark += max(0.0, seconds)
+
     # -- one step --------------------------------------------------------------------------------------
     def step(self) -> list[BatchSequence]:
         """Run one scheduler step (module docstring); returns the sequences that ended in it."""
