@@ -111,3 +111,24 @@ def test_the_serving_target_is_checked_against_the_capture(captured, tiny_llama,
     with pytest.raises(ShardError, match=f"runs in {str(other)[6:]}"):
         reader.check_target(TargetModel(same_weights), chatml)
     assert reader.aux_layer_ids == AUX and reader.manifest["aux_layer_convention"] == "hf_hidden_states_index"
+
+
+def test_the_runtimes_layer_hooks_equal_output_hidden_states(captured):
+    """``TargetModel`` reads aux states with pre-hooks on the aux layers; a model without a decoder ``layers`` list
+    falls back to ``output_hidden_states``: the two agree exactly, in a batch forward too, and no hook stays."""
+    from draftsmith.core.batch_cache import BatchKVCache
+
+    target, reader, _ = captured
+    hooked = TargetModel(target, aux_layer_ids=AUX)
+    fallback = TargetModel(target, aux_layer_ids=AUX)
+    fallback._aux_layers = None  # as for a model whose decoder has no ``layers`` list
+    assert hooked._aux_layers is not None
+    seqs = list(reader)[:2]
+    for runtime in (hooked, fallback):
+        cache = BatchKVCache(target.config)
+        for _ in seqs:
+            cache.add_empty_row()
+        runtime.step = runtime.forward_batch([s.input_ids for s in seqs], cache)
+    assert torch.equal(hooked.step.aux_hidden, fallback.step.aux_hidden)
+    layers = target.get_decoder().layers
+    assert all(not layer._forward_pre_hooks for layer in layers)

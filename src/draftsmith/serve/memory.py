@@ -16,7 +16,8 @@ What is counted (bytes; ``b`` = bytes per element of the serving dtype):
   3. prefill        one forward over max_model_len tokens: the logits [T, V] in the model dtype and in
                     float32 (``TargetModel`` returns every row as float32), the MLP intermediate
                     [T, intermediate_size] x 3, and, for EAGLE-3, the hidden states of every layer
-                    [(layers + 1), T, H] that ``output_hidden_states`` keeps.
+                    [(layers + 1), T, H] that ``output_hidden_states`` keeps (an upper bound: the runtime
+                    keeps the aux layers' inputs only, ``core/target.py``).
   4. margin         10% of the above (allocator fragmentation, temporary copies while a cache grows).
 The serving engine runs ONE sequence at a time (``engine.py``: requests queue, batch size 1), so it plans
 with ``max_num_seqs=1`` whatever the number of concurrent clients.
