@@ -30,6 +30,10 @@ Printed and written to ``--out`` (``grid.json``, ``grid.md``, ``grid.png``, and 
   - with ``--rounds`` >= 2, the cells below 0.97x in EVERY round, for ``auto`` and for the control: a cell's
     median can fall below the bar on one slow batch, a reading in every round says more.
 
+``--interleave``: each batch runs AT ONCE with a plain batch of the same requests, the two engines stepping in
+turn, and each is timed by its own seconds (``BenchConfig.interleave``, ``evaluation/interleave.py``): a shared
+machine's drift over seconds meets both, where bracketing batches meet it seconds apart.
+
 ``--confirm N``: a cell's first reading is a screen. Each cell where ``auto`` reads below the bar (and each
 (task, c) where the control does) is measured again, paired, in N more rounds: one ``draftsmith bench`` run per such
 (task, c), at that c alone, on fresh servers (plain, those drafters at ``auto``, and the control where it read below),
@@ -73,6 +77,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rounds", nargs="+", type=int, default=[1], help="one value, or one per --concurrency level")
     p.add_argument("--baseline-every", type=int, default=1, help="a plain batch after every N others (0: unpaired)")
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="each batch at once with a plain batch, the engines stepping in turn (module docstring)",
+    )
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--device", default="cpu", help="of the target and the drafters (cuda: on a lent GPU)")
     p.add_argument(
@@ -353,6 +362,7 @@ def load_reports(args: argparse.Namespace, tasks: list[str], out: Path) -> dict 
     run = reports[tasks[0]]["config"]
     for key in ("num_prompts", "max_tokens", "concurrency", "rounds", "baseline_every", "threads", "device", "torch"):
         setattr(args, key, run.get(key))
+    args.interleave = bool(run.get("interleave", False))
     args.ks = [k for k in run["k"] if k != "auto"]
     args.methods = [m for m in run["methods"] if m in DRAFTERS]
     return reports
@@ -376,6 +386,7 @@ def _bench_config(args: argparse.Namespace, task: str, out: Path, **overrides):
         threads=args.threads,
         device=args.device,
         control=args.control,
+        interleave=args.interleave,
         out=str(out),
     )
     return BenchConfig(**(fields | overrides))
@@ -465,11 +476,12 @@ def main(argv=None) -> int:
         where = torch.cuda.get_device_name(args.device)
     else:
         where = f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
-    paired = (
-        f"the plain batches just before and after (one after every {args.baseline_every})"
-        if args.baseline_every
-        else "plain in the same round"
-    )
+    if args.interleave:
+        paired = "the plain batch run at once with it, step by step, each over its own seconds"
+    elif args.baseline_every:
+        paired = f"the plain batches just before and after (one after every {args.baseline_every})"
+    else:
+        paired = "plain in the same round"
     header = (
         f"reference grid: tasks {', '.join(tasks)}; {args.num_prompts} prompts x {args.max_tokens} tokens per task; "
         f"concurrency {args.concurrency}; rounds {args.rounds} (per level) of one run per cell, speedup = median "

@@ -45,7 +45,12 @@ Steps:
      round); per method, the verdict names the concurrencies where the speedup is below
      1.0 ("not worth enabling at c=16, 32") or says it pays at every measured concurrency (acceptance alone
      is not the verdict). HF peers are compared with HF plain generate.
-  7. A/A control (``--control``): a second no-speculation server, ``none-control``, is measured as a method. Its
+  7. Interleaved (``--interleave``, in-process servers): instead of bracketing, each batch runs AT ONCE with a
+     plain batch of the same requests, the two engines stepping in turn (``evaluation/interleave.py``: the next
+     step goes to the one that has stepped the fewest seconds so far), and each batch's tokens/s is over its own
+     seconds (its wall time less the seconds its engine waited for the other's steps), so both meet the machine
+     over the same seconds: its speedup is over that plain batch. TTFT and TPOT then include the other's steps.
+  8. A/A control (``--control``): a second no-speculation server, ``none-control``, is measured as a method. Its
      speedup is 1.0 in truth, so what it reads is the bench's resolution: on a shared 2-core CPU at c = 32 single
      paired batches of plain against plain read 0.91-1.05x (8 rounds), wider than the few percent a method's
      bookkeeping costs, so a one-batch speedup a few percent below 1.0 says nothing on its own.
@@ -88,6 +93,7 @@ from draftsmith.evaluation.bench_config import (
     rounds_at,
     speculative_config,
 )
+from draftsmith.evaluation.interleave import Turnstile
 from draftsmith.models import load_causal_lm
 from draftsmith.serve.engine import Engine
 from draftsmith.serve.memory import plan_for_engine
@@ -145,7 +151,9 @@ class BatchResult:
 
     Paired measurement (``BenchConfig.baseline_every`` > 0) sets, on a batch of a speculative server, the
     no-speculation batches run just before and after it at the same concurrency (``before``, ``after``; the
-    latter None when the round ended first)."""
+    latter None when the round ended first); interleaved (``BenchConfig.interleave``), both are the plain batch
+    run at once with it. ``started_s``: ``time.perf_counter()`` at its start; ``waited_s``: seconds of its wall
+    time its engine waited for another engine's steps (interleaved; 0 otherwise)."""
 
     records: list[RequestRecord]
     wall_s: float
@@ -154,11 +162,18 @@ class BatchResult:
     peaks: dict[str, float] = field(default_factory=dict)
     before: "BatchResult | None" = field(default=None, repr=False)
     after: "BatchResult | None" = field(default=None, repr=False)
+    started_s: float = 0.0
+    waited_s: float = 0.0
+
+    @property
+    def own_s(self) -> float:
+        """Its seconds: wall time less what its engine waited for another's steps (interleaved)."""
+        return max(self.wall_s - self.waited_s, 1e-9)
 
     @property
     def output_tokens_per_s(self) -> float:
-        """Output tokens of the successful requests ÷ wall seconds."""
-        return sum(r.tokens for r in self.records if r.ok) / max(self.wall_s, 1e-9)
+        """Output tokens of the successful requests ÷ its own seconds (``own_s``)."""
+        return sum(r.tokens for r in self.records if r.ok) / self.own_s
 
     @property
     def baseline_tokens_per_s(self) -> float | None:
@@ -213,7 +228,7 @@ def summarize(
     good = [r for r in records if r.ok]
     per_round = [
         {
-            "requests_per_s": sum(r.ok for r in b.records) / max(b.wall_s, 1e-9),
+            "requests_per_s": sum(r.ok for r in b.records) / b.own_s,
             "output_tokens_per_s": b.output_tokens_per_s,
         }
         for b in batches
@@ -663,7 +678,9 @@ async def run_batch(
         for name, metric in SPEC_COUNTERS.items()
         if metric in after and metric in before
     }
-    return BatchResult(records=list(records), wall_s=wall, counters=counters, concurrency=concurrency, peaks=peaks)
+    return BatchResult(
+        records=list(records), wall_s=wall, counters=counters, concurrency=concurrency, peaks=peaks, started_s=start
+    )
 
 
 def describe_server(url: str) -> tuple[str, str]:
@@ -779,7 +796,7 @@ def hf_peer(
 
 
 async def _measure(
-    servers: dict[str, tuple[str, str]], prompts, cfg: BenchConfig
+    servers: dict[str, tuple[str, str]], prompts, cfg: BenchConfig, gates: dict | None = None
 ) -> tuple[dict[str, dict[int, list[BatchResult]]], BatchResult | None]:
     """Warm-up (every server serves the requests of the highest level once, ``WARMUP_TOKENS`` each: a server's
     first batch at a batch size pays one-time costs (allocations, kernels for new shapes; ``auto``'s first
@@ -792,6 +809,10 @@ async def _measure(
     other batch keeping the plain batches just before and after it (``BatchResult.before`` / ``after``); the
     baseline's list then holds all its batches.
 
+    Interleaved (``gates``: ``{label: its engine's scheduler}``, all sharing one ``interleave.Turnstile`` as their
+    gate): the baseline is left out of the rotation and each other batch runs at once with a plain batch
+    (module docstring, step 7), which becomes its ``before`` and ``after``.
+
     ``servers``: ``{label: (url, model name)}``. Returns ``({label: {c: [BatchResult per round]}}, the extra
     reference batch or None)``."""
     names = list(servers)
@@ -803,9 +824,13 @@ async def _measure(
     if 1 not in cfg.concurrency and BASELINE in servers:
         alone = await run_batch(*servers[BASELINE], prompts, cfg.max_tokens, 1)
     results: dict[str, dict[int, list[BatchResult]]] = {name: {c: [] for c in cfg.concurrency} for name in names}
-    paired = cfg.baseline_every > 0 and BASELINE in servers and len(names) > 1
+    together = gates is not None and BASELINE in servers and len(names) > 1
+    paired = together or (cfg.baseline_every > 0 and BASELINE in servers and len(names) > 1)
     rotated = [n for n in names if n != BASELINE] if paired else names
-    plain_per_round = 1 + math.ceil(len(rotated) / cfg.baseline_every) if paired else 0
+    if together:
+        plain_per_round = len(rotated)
+    else:
+        plain_per_round = 1 + math.ceil(len(rotated) / cfg.baseline_every) if paired else 0
     per_round = len(rotated) + plain_per_round
     total = sum(rounds_at(cfg, c) for c in cfg.concurrency) * per_round
     with tqdm(total=total, desc="bench servers", unit="batch") as progress:
@@ -821,11 +846,24 @@ async def _measure(
             progress.update()
             return batch
 
+        async def at_once(name: str, requests, c: int) -> None:
+            """``name``'s batch and a plain one at once, each timed by its own seconds (module docstring)."""
+            turnstile = gates[name].gate
+            turnstile.reset()
+            plain, batch = await asyncio.gather(one(BASELINE, requests, c), one(name, requests, c))
+            for b, label in ((plain, BASELINE), (batch, name)):
+                b.waited_s = turnstile.waited(gates[label], b.started_s, b.started_s + b.wall_s)
+            batch.before = batch.after = plain
+
         for round_index in range(max(rounds_at(cfg, c) for c in cfg.concurrency)):
             shift = round_index % len(rotated)
             order = rotated[shift:] + rotated[:shift]
             for c in [c for c in cfg.concurrency if round_index < rounds_at(cfg, c)]:
                 requests = requests_for(prompts, c)
+                if together:
+                    for name in order:
+                        await at_once(name, requests, c)
+                    continue
                 if not paired:
                     for name in order:
                         await one(name, requests, c)
@@ -896,7 +934,13 @@ def run_bench(cfg: BenchConfig, model=None, tokenizer=None, prompts: Sequence[li
                     continue
                 server = stack.enter_context(BackgroundServer(create_app(engines[method])))
                 servers[method] = (server.url, cfg.target)
-        results, alone = asyncio.run(_measure(servers, prompts, cfg))
+        gates = None
+        if cfg.interleave:
+            turnstile = Turnstile()
+            gates = {name: engine.scheduler for name, engine in engines.items()}
+            for scheduler in gates.values():
+                scheduler.gate = turnstile
+        results, alone = asyncio.run(_measure(servers, prompts, cfg, gates))
     reference_batch = alone if alone is not None else (results[BASELINE][1][-1] if BASELINE in results else None)
     reference_texts = reference_texts_of(reference_batch) if reference_batch is not None else None
     reference_info = {

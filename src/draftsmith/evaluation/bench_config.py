@@ -62,6 +62,10 @@ class BenchConfig:
         control: also serve ``CONTROL``, a second no-speculation engine measured as a method (an A/A test): its
             speedup over the baseline is what this bench reads for a method equal to plain decoding, so its spread
             is the resolution of every other speedup in the run (in-process servers only).
+        interleave: each batch runs at once with a plain batch of the same requests, the two in-process engines
+            stepping in turn, and each is timed by its own seconds (``evaluation/interleave.py``): the pair meets
+            the machine over the same seconds, where bracketing batches meet it seconds apart (in-process
+            servers only; ``baseline_every`` is then unused).
         out: directory for report.json, table.md, bench.png.
     """
 
@@ -87,6 +91,7 @@ class BenchConfig:
     max_model_len: int | None = None
     hf_peer: bool = False
     control: bool = False
+    interleave: bool = False
     out: str = "runs/bench"
 
     def __post_init__(self):
@@ -115,6 +120,10 @@ class BenchConfig:
             raise ValueError(f"onednn {self.onednn!r}: pass auto, on or off")
         if self.control and self.urls:
             raise ValueError("--control starts a second in-process plain server; it cannot measure --url servers")
+        if self.interleave and self.urls:
+            raise ValueError(
+                "--interleave steps in-process engines in turn; it cannot measure --url servers (drop one of the two)"
+            )
 
 
 def rounds_at(cfg: BenchConfig, concurrency: int) -> int:
@@ -155,12 +164,15 @@ def bench_methods(cfg: BenchConfig) -> list[str]:
     ``+tree`` twin when ``cfg.tree`` is set; the A/A control after the baseline with ``cfg.control``.
 
     Raises:
-        ValueError: ``cfg.tree`` set but no method drafts trees; ``cfg.control`` without the baseline."""
+        ValueError: ``cfg.tree`` set but no method drafts trees; ``cfg.control`` or ``cfg.interleave`` without the
+            baseline."""
     out = []
     sweep = swept_ks(cfg)
     methods = cfg.methods or default_methods(cfg)
     if cfg.control and BASELINE not in methods:
         raise ValueError(f"--control is measured against the baseline: add {BASELINE} to --methods")
+    if cfg.interleave and BASELINE not in methods:
+        raise ValueError(f"--interleave runs each batch at once with the baseline's: add {BASELINE} to --methods")
     for method in methods:
         if method == BASELINE:
             out += [BASELINE, CONTROL] if cfg.control else [BASELINE]
@@ -342,6 +354,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_true",
         help=f"also serve a second plain server, {CONTROL}, measured as a method (an A/A test): its speedup is "
         "what the bench reads for a method equal to plain, the resolution of the other speedups",
+    )
+    p.add_argument(
+        "--interleave",
+        action="store_true",
+        help="run each batch at once with a plain batch, the in-process engines stepping in turn, each timed by "
+        "its own seconds (a paired speedup over the same seconds of a drifting machine)",
     )
     p.add_argument("--out", default=d.out)
     return p

@@ -14,6 +14,10 @@ step, waiting or running. Callbacks of a sequence (tokens, text, stops) run on t
 raises fails every request the scheduler holds (each ends with that error; none is left waiting). ``close()``
 (the server shutting down) ends what is queued or running with ``EngineClosed`` (HTTP 503).
 
+A ``gate`` (``StepGate``, None by default) makes the scheduler ask before each step whether it may step now: a
+bench that serves two engines on one device step by step (``evaluation/interleave.py``) sets it; the seconds the
+scheduler waited there are left out of the decoder's ``between_s`` (``BatchDecoder.exclude``).
+
 What a step's callbacks send to a server's event loops (``Handoff``) leaves once the step is over, one wake-up per
 loop, before any request that ended in the step is told so: a wake-up per chunk, in the middle of the step, let the
 loop's thread take the GIL from the decoder at every row (on the reference target, a median 0.28-0.46 ms of each
@@ -26,11 +30,22 @@ import logging
 import threading
 import time
 from collections import deque
+from typing import Protocol
 
 from draftsmith.core.batch import BatchDecoder, BatchSequence
 from draftsmith.serve.metrics import EngineMetrics
 
 logger = logging.getLogger(__name__)
+
+
+class StepGate(Protocol):
+    """What a scheduler asks around each step while it shares its device with others (module docstring)."""
+
+    def enter(self, owner: object) -> float:
+        """Block until ``owner`` (the scheduler) may step; returns the seconds it waited."""
+
+    def leave(self, owner: object, seconds: float) -> None:
+        """``owner``'s step is over; it took ``seconds``."""
 
 
 class EngineOverloaded(Exception):
@@ -126,6 +141,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._closed = False
         self.handoff = Handoff()  #: what callbacks send to event loops leaves at the end of each step
+        self.gate: StepGate | None = None  #: asked around each step (module docstring); None: step at once
 
     @property
     def num_waiting(self) -> int:
@@ -182,6 +198,18 @@ class Scheduler:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def _step(self) -> list[BatchSequence]:
+        """One decoder step, through the gate when there is one (module docstring)."""
+        gate = self.gate
+        if gate is None:
+            return self.decoder.step()
+        self.decoder.exclude(gate.enter(self))
+        t0 = time.perf_counter()
+        try:
+            return self.decoder.step()
+        finally:
+            gate.leave(self, time.perf_counter() - t0)
+
     def _loop(self) -> None:
         decoder = self.decoder
         self.handoff.thread_id = threading.get_ident()
@@ -205,7 +233,7 @@ class Scheduler:
                 if job.cancel is not None and job.cancel.is_set() and not job.seq.done:
                     decoder.cancel(job.seq, RequestCancelled())
             try:
-                ended = decoder.step()
+                ended = self._step()
             except Exception as e:  # noqa: BLE001 - a fault of the batch: every request in it fails, loudly
                 logger.exception("a batch step failed; failing its %d requests", len(self._jobs))
                 ended = decoder.abort(e)
