@@ -25,9 +25,9 @@ median, mean +- its standard error. Every variant's tokens are checked against p
 going to whichever decoder has spent less time so far (each keeps its own cache and drafter; they share the
 target). Both then meet the same machine over the same wall-clock window, to within one step (~50 ms at 32 rows),
 where back-to-back batches meet it seconds apart: on a shared machine whose speed drifts over seconds, the
-back-to-back A/A control reads 0.94-1.03x per 32-row batch, the interleaved one within +-1%
-(``interleaved_runs``). A decoder's ``between_s`` (the time between its steps, which auto prices) leaves out the
-other decoder's steps. Its seconds are the sum of its own steps' (prefill included).
+back-to-back A/A control read 0.93-1.03x per 32-row batch, the interleaved one 0.99-1.02x per run
+(``evaluation.interleave.interleave_steps``). A decoder's ``between_s`` (the time between its steps, which auto
+prices) leaves out the other decoder's steps. Its seconds are the sum of its own steps' (prefill included).
 """
 
 from __future__ import annotations
@@ -45,6 +45,7 @@ from draftsmith.core.batch import BatchDecoder, BatchSequence, generate_batch
 from draftsmith.core.generate import GenerationConfig
 from draftsmith.evaluation.bench import load_prompts
 from draftsmith.evaluation.bench_config import BenchConfig, speculative_config
+from draftsmith.evaluation.interleave import interleave_steps
 from draftsmith.models import load_causal_lm
 from draftsmith.serve.engine import Engine
 
@@ -68,23 +69,6 @@ class ForcedPolicy(AdaptivePolicy):
         self.histogram[chosen.k] -= 1
         self.histogram[k] += 1
         return Choice(k, chosen.tokens_per_s)
-
-
-def interleave(decoders: list[BatchDecoder]) -> list[float]:
-    """Step ``decoders`` until none has work, each step going to the one that has spent the fewest seconds so far
-    (of those with work); returns each one's seconds. The others' steps are left out of each one's ``between_s``
-    (``BatchDecoder.exclude``): auto prices the time between ITS steps."""
-    spent = [0.0] * len(decoders)
-    while any(d.has_work for d in decoders):
-        i = min((j for j, d in enumerate(decoders) if d.has_work), key=lambda j: spent[j])
-        t0 = time.perf_counter()
-        decoders[i].step()
-        took = time.perf_counter() - t0
-        spent[i] += took
-        for j, other in enumerate(decoders):
-            if j != i:
-                other.exclude(took)
-    return spent
 
 
 def parse_args(argv=None):
@@ -159,7 +143,7 @@ def main(argv=None) -> None:
     def interleaved(name: str) -> tuple[float, float, list[list[int]]]:
         """(plain's seconds, ``name``'s seconds, ``name``'s tokens): the two batches run at once, step by step."""
         pair = [decoder("plain"), decoder(name)]
-        spent = interleave([d for d, _ in pair])
+        spent = interleave_steps([d for d, _ in pair])
         for _, seqs in pair:
             for seq in seqs:
                 if seq.error is not None:

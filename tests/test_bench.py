@@ -671,6 +671,7 @@ def test_the_closed_batch_bench_interleaves_a_pair_step_by_step(tmp_path):
     from draftsmith.core.batch import BatchDecoder, BatchSequence
     from draftsmith.core.generate import GenerationConfig
     from draftsmith.core.target import TargetModel
+    from draftsmith.evaluation.interleave import interleave_steps
     from draftsmith.models import load_causal_lm
 
     closed = bench_script("adaptive_closed")
@@ -688,7 +689,7 @@ def test_the_closed_batch_bench_interleaves_a_pair_step_by_step(tmp_path):
     marks = []
     exclude = decoders[0].exclude
     decoders[0].exclude = lambda s: (marks.append((decoders[0]._mark, s)), exclude(s))
-    spent = closed.interleave(decoders)
+    spent = interleave_steps(decoders)
     assert not any(d.has_work for d in decoders) and all(s > 0 for s in spent)
     assert any(mark is not None and s > 0 for mark, s in marks)  # the other's steps were left out of its between_s
     decoders[0]._mark = 10.0

@@ -9,13 +9,17 @@ turn through a ``Turnstile`` (``serve.scheduler.StepGate``), each step going to 
 spent the fewest seconds stepping since the pair began (``reset``), and each batch is timed by its own seconds:
 its wall time less the seconds its scheduler waited for the other's steps (``waited``). The event loop, the
 client and the HTTP streams of both keep running on the other core meanwhile, as they do for one; what they cost
-is in both batches' seconds.
+is in both batches' seconds. ``interleave_steps`` is the same rule for decoders stepped by one thread, without
+a server (``bench/adaptive_closed.py --interleave``).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from typing import Sequence
+
+from draftsmith.core.batch import BatchDecoder
 
 
 class Turnstile:
@@ -68,3 +72,20 @@ class Turnstile:
         with self._cond:
             waits = list(self._waits.get(id(owner), ()))
         return sum(max(0.0, min(b, end) - max(a, start)) for a, b in waits)
+
+
+def interleave_steps(decoders: Sequence[BatchDecoder]) -> list[float]:
+    """Step ``decoders`` from this thread until none has work, each step going to the one with work that has
+    stepped the fewest seconds so far (``Turnstile``'s rule); returns each one's seconds. Each step is left out of
+    the others' ``between_s`` (``BatchDecoder.exclude``): auto prices the time between ITS steps."""
+    spent = [0.0] * len(decoders)
+    while any(d.has_work for d in decoders):
+        i = min((j for j, d in enumerate(decoders) if d.has_work), key=lambda j: spent[j])
+        t0 = time.perf_counter()
+        decoders[i].step()
+        took = time.perf_counter() - t0
+        spent[i] += took
+        for j, other in enumerate(decoders):
+            if j != i:
+                other.exclude(took)
+    return spent
