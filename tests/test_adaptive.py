@@ -5,12 +5,13 @@ drafter, is in ``test_contract.py`` (``auto``)."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
 
 from draftsmith.core.adaptive import (
-    HOLD_GAP,
+    HOLD_DRIFT,
     HOLD_STEPS,
     PROBE_AFTER,
     PROBE_BUDGET,
@@ -191,38 +192,55 @@ def test_a_marginal_gain_stays_plain():
         assert policy.choose([(None, 1)]).k == want
 
 
-def test_plain_by_far_holds_without_pricing_while_the_batch_is_unchanged():
-    """Where plain beats every k by more than HOLD_GAP, the next HOLD_STEPS steps of the same rows, batch size and
-    queue are plain without pricing (what a plain step costs the policy); a marginal loss is priced every step."""
+def test_plain_holds_without_pricing_for_as_long_as_drafting_is_far_from_paying():
+    """After two priced plain steps, the next steps of the same rows, caps, batch size and queue are plain without
+    pricing, n of them while x / (1 - HOLD_DRIFT)^n < 1 (x: the best k's tokens/s over plain's x (1 + margin)), at
+    most HOLD_STEPS; right below the margin every step is priced; any change in the batch prices at once."""
 
-    def counted(rate: float, draft_ms: float) -> tuple[AdaptivePolicy, list]:
+    def counted(rate: float, draft_ms: float) -> tuple[AdaptivePolicy, list, float]:
         policy = AdaptivePolicy(flat_cost(verify_ms=10.0, per_token_ms=0.0, draft_ms=draft_ms), 1)
         policy.rates = lambda est, confidence=None, engine=None: [rate]
         gain = policy.throughput([([rate], 1)], 1) / policy.throughput([([rate], 1)], 0)
-        assert (gain < 1 - HOLD_GAP) == (rate == 0.0) and gain < 1 + SPECULATE_MARGIN
+        assert gain < 1 + SPECULATE_MARGIN  # plain every step
         priced, options = [], policy._options
         policy._options = lambda *a: priced.append(1) or options(*a)
-        return policy, priced
+        return policy, priced, gain / (1 + SPECULATE_MARGIN)
 
-    policy, priced = counted(0.13, 1.0)  # drafting 1.13 / 1.1 of plain: below the margin, not by far
-    rows = [(policy.new_request(), 1) for _ in range(4)]
-    assert [policy.choose(rows).k for _ in range(6)] == [0] * 6 and len(priced) == 6
+    def pricing(policy, priced, rows, steps: int) -> list[int]:
+        """Which of ``steps`` plain steps were priced (1) or held (0)."""
+        out = []
+        for _ in range(steps):
+            before = len(priced)
+            assert policy.choose(rows).k == 0
+            out.append(len(priced) - before)
+        return out
 
-    policy, priced = counted(0.0, 5.0)  # drafting 1 / 1.5 of plain: by far
-    rows = [(policy.new_request(), 1) for _ in range(4)]
-    assert [policy.choose(rows).k for _ in range(1 + HOLD_STEPS)] == [0] * (1 + HOLD_STEPS)
-    assert len(priced) == 1 and policy.histogram[0] == 1 + HOLD_STEPS  # held steps count as plain
-    policy.choose(rows)
-    assert len(priced) == 2  # the hold spent: priced again, and held again
+    policy, priced, x = counted(0.14, 1.0)  # drafting 1.14 / 1.1 of plain: just below the margin
+    assert x > 1 - HOLD_DRIFT
+    assert pricing(policy, priced, [(policy.new_request(), 1) for _ in range(4)], 6) == [1] * 6
+
+    for rate, draft_ms in ((0.1, 1.5), (0.0, 5.0)):  # drafting 1.1 / 1.15 of plain, then 1 / 1.5: by far
+        policy, priced, x = counted(rate, draft_ms)
+        n = min(HOLD_STEPS, int(math.log(x) / math.log(1 - HOLD_DRIFT)))
+        assert 1 <= n and (n < HOLD_STEPS) == (rate > 0)
+        rows = [(policy.new_request(), 1) for _ in range(4)]
+        assert pricing(policy, priced, rows, 2 + n + 1) == [1, 1] + [0] * n + [1]  # the first plain step holds none
+        assert policy.histogram[0] == 2 + n + 1  # held steps count as plain
+
     changes = (
         lambda: policy.choose(rows[:3] + [(policy.new_request(), 1)]),  # another request in a row
-        lambda: policy.choose(rows, batch_size=5),  # a request about to join
+        lambda: policy.choose(rows[:3] + [(rows[3][0], 0)]),  # a row's cap shrank (its max_tokens is near)
         lambda: policy.choose(rows, waiting=1),  # a request in the queue
     )
     for change in changes:
+        pricing(policy, priced, rows, 3)  # the same batch again: priced, then held
         before = len(priced)
         change()
         assert len(priced) == before + 1
+    policy, priced, x = counted(0.14, 1.0)  # a request about to join keeps the step plain: held, whatever x
+    rows = [(policy.new_request(), 1) for _ in range(4)]
+    held = [policy.choose(rows, batch_size=5) for _ in range(2 + HOLD_STEPS + 1)]
+    assert [c.k for c in held] == [0] * len(held) and len(priced) == 3
 
 
 def test_a_request_estimate_pulls_away_from_the_engine():

@@ -127,11 +127,21 @@ that never drafts stays within 2-3% of plain decoding, inside the "never slower 
 
 Pricing a step is pure Python over every row and every k (~0.12 ms at B = 8, ~0.3 ms at B = 32 with each request's
 own rates, 2-core AMD EPYC), 1-2% of a plain step on the reference target, paid where auto drafts nothing as well.
-So when plain beats every k by more than ``HOLD_GAP`` of its tokens/s, the next ``HOLD_STEPS`` steps of the same
-rows (the same requests' estimates), batch size and queue are plain without pricing, unless a probe is due (its
-budget spent): 4 steps cannot move the estimates by that much, ageing moves them ~10% of the way to the engine's per
-step, and any change in the batch prices the next step at once. The policy's time at such a plain step (choosing,
-observing every row, the step's costs) fell from 116 to 14 us at B = 8 and from 293 to 36 us at B = 32.
+So a priced plain step that follows a plain step holds the next steps of the same rows (the same requests'
+estimates and caps), batch size and queue plain without pricing, unless a probe is due (its budget spent), for as
+many steps as its distance from drafting allows: with x the best k's tokens/s over what drafting must reach (plain's
+x (1 + ``SPECULATE_MARGIN``)), n steps while x / (1 - ``HOLD_DRIFT``)^n stays below 1, at most ``HOLD_STEPS``; a
+step that a request waiting to join keeps plain holds ``HOLD_STEPS`` (that rule does not read the prices). Between
+two plain steps of one batch x moves little: over the priced plain steps that followed a plain step with the same
+rows (DFlash on code-complete and EAGLE-3 on code-edit, 8 rows, closed batches), |log| of its step-to-step ratio had
+a median of 0.2% and a 90th percentile of 1%; its rare larger moves came where a row's cap shrank at the batch's end
+(the caps are in the hold's key) and at the first plain step after a drafting one (a drafting step's observations,
+a row's confidence unknown once its positions wait: a hold starts only after two plain steps). Any change in the
+batch prices the next step at once. The policy's time at a held plain step (choosing, observing every row, the
+step's costs) is 14 us at B = 8 and 36 us at B = 32, against 116 and 293 us priced. (Holding only where plain won by
+20% or more left DFlash on code-complete at 8 rows, whose best k priced at a median 0.90 of plain's, priced at every
+step: auto's machinery with every choice forced to plain read 0.977x plain in a closed batch, 0.989x with the pricing
+taken out.)
 
 The drafter's own confidence, where it has one before drafting (``BatchProposer.confidence``: an EAGLE-3 head
 holds its next-token logits after each accept), refines position 1: the engine keeps decayed acceptance counts of
@@ -187,6 +197,7 @@ from __future__ import annotations
 
 import bisect
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
@@ -200,8 +211,8 @@ ENGINE_PRIOR = 2.0  #: pseudo-observations of the prior in the engine's estimate
 FIRST_PRIOR = 0.6  #: the engine's prior acceptance at position 1 before any step (optimistic: it gets tried)
 SPECULATE_MARGIN = 0.05  #: drafting is chosen only when its expected tokens/s beats plain's by this fraction
 PROBE_AFTER = 8  #: fewest plain steps in a row before a probe
-HOLD_GAP = 0.2  #: plain beating every k by this fraction of its tokens/s holds it without re-pricing ...
-HOLD_STEPS = 4  #: ... for at most this many steps, while the rows, the batch size and the queue are unchanged
+HOLD_DRIFT = 0.02  #: the most a batch's best-k ÷ plain tokens/s is assumed to move per plain step (module docstring)
+HOLD_STEPS = 8  #: most plain steps held without pricing, while the rows, their caps, the batch size and queue stay
 PROBE_BUDGET = 0.01  #: probes cost at most this fraction of the plain decoding time since the last probe
 CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
 SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
@@ -557,12 +568,13 @@ class AdaptivePolicy:
         emit]]]), priced at ``batch_size`` rows (the batch once the waiting requests have joined; default: the rows
         given); ``waiting``: requests waiting to join (0: the batch drains). While a
         waiting request has a free row (``batch_size`` > rows) the step is plain, and a batch that nobody waits to
-        join drafts only what does not lengthen its drain; where plain wins by far, the next few steps of the same
-        batch are plain without pricing (``HOLD_STEPS``; module docstring). Counted in ``histogram``."""
+        join drafts only what does not lengthen its drain; after two plain steps, the next steps of the same batch are
+        plain without pricing, the more the farther drafting is from paying (``_hold_steps``; module docstring).
+        Counted in ``histogram``."""
         if not rows:
             return Choice(0, 0.0)
         ids = tuple(id(row[0]) for row in rows if row[0] is not None)  # rows without an estimate: never held
-        key = (ids, batch_size, waiting) if len(ids) == len(rows) else None
+        key = (ids, tuple(row[1] for row in rows), batch_size, waiting) if len(ids) == len(rows) else None
         held = self._held(key)
         if held is not None:
             return held
@@ -579,7 +591,8 @@ class AdaptivePolicy:
         options = list(zip(self._options(priced, batch_size, range(best_cap + 1)), range(best_cap + 1)))
         n = len(scored)
         eligible = [o for o in options[1:] if o[0] >= (1 + SPECULATE_MARGIN) * options[0][0]]
-        if (batch_size or n) > n:  # a request waits for this step to end to start: drafting delays it
+        queued = (batch_size or n) > n
+        if queued:  # a request waits for this step to end to start: drafting delays it
             eligible = []
         elif eligible and n > 1 and waiting == 0:  # nobody waits to join: the batch drains
             drains = self._drains(priced, [0] + [k for _, k in eligible])
@@ -594,13 +607,13 @@ class AdaptivePolicy:
                 key=lambda b: (not priced.starts[b], priced.lefts[b]),  # a started row first, then the most tokens left
             )
             k_probe = min(k_probe, priced.caps[one])
-            far = rate_k < (1 - HOLD_GAP) * rate  # plain by far: the next few steps are plain without pricing
-            probe_s = self.probe_cost(scored, one, k_probe) if far or self._plain_run >= PROBE_AFTER else 0.0
+            hold = self._hold_steps(rate_k / ((1 + SPECULATE_MARGIN) * rate), queued) if key is not None else 0
+            probe_s = self.probe_cost(scored, one, k_probe) if hold or self._plain_run >= PROBE_AFTER else 0.0
             if self._plain_run >= PROBE_AFTER and self._plain_s * PROBE_BUDGET >= probe_s:
                 rate, k, probe = rate_k, k_probe, True  # learn again: one row drafts once at the best positive k
                 self._plain_run, self._plain_s = 0, 0.0
-            elif far and key is not None:
-                self._hold = (HOLD_STEPS, key, rate, probe_s)
+            elif hold:
+                self._hold = (hold, key, rate, probe_s)
         elif k > 0:
             self._plain_run, self._plain_s = 0, 0.0
         self._probing = probe
@@ -622,6 +635,18 @@ class AdaptivePolicy:
             else:
                 self._expected += count * (p[min(k, cap)] - 1.0)
         return Choice(k, rate, probe, (one,) if probe else None)
+
+    def _hold_steps(self, x: float, queued: bool) -> int:
+        """Plain steps to hold without pricing after this plain one (module docstring): ``x``, the best k's tokens/s
+        over what drafting must reach; ``queued``: a request waiting to join keeps the step plain whatever the
+        prices. 0 before two plain steps in a row (the first after drafting moves the prices most)."""
+        if self._plain_run < 2:
+            return 0
+        if queued or x <= 0:
+            return HOLD_STEPS
+        if x >= 1:
+            return 0
+        return min(HOLD_STEPS, int(math.log(x) / math.log(1 - HOLD_DRIFT)))
 
     def _held(self, key: tuple | None) -> Choice | None:
         """A plain step without pricing, while a hold set by the last priced step lasts (``HOLD_STEPS``; the same
