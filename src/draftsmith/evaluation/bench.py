@@ -835,24 +835,33 @@ async def _measure(
     total = sum(rounds_at(cfg, c) for c in cfg.concurrency) * per_round
     with tqdm(total=total, desc="bench servers", unit="batch") as progress:
 
-        async def one(name: str, requests, c: int) -> BatchResult:
+        def done(name: str, batch: BatchResult) -> None:
+            failed = sum(not r.ok for r in batch.records)
+            progress.set_postfix_str(
+                f"{name} c={batch.concurrency}: {batch.output_tokens_per_s:.1f} tok/s"
+                + (f", {failed} failed" if failed else "")
+            )
+            progress.update()
+
+        async def one(name: str, requests, c: int, report: bool = True) -> BatchResult:
             url, model = servers[name]
             batch = await run_batch(url, model, requests, cfg.max_tokens, c)
             results[name][c].append(batch)
-            failed = sum(not r.ok for r in batch.records)
-            progress.set_postfix_str(
-                f"{name} c={c}: {batch.output_tokens_per_s:.1f} tok/s" + (f", {failed} failed" if failed else "")
-            )
-            progress.update()
+            if report:
+                done(name, batch)
             return batch
 
         async def at_once(name: str, requests, c: int) -> None:
-            """``name``'s batch and a plain one at once, each timed by its own seconds (module docstring)."""
+            """``name``'s batch and a plain one at once, each timed by its own seconds (module docstring); the
+            progress bar shows their tokens/s once the waits are known."""
             turnstile = gates[name].gate
             turnstile.reset()
-            plain, batch = await asyncio.gather(one(BASELINE, requests, c), one(name, requests, c))
+            plain, batch = await asyncio.gather(
+                one(BASELINE, requests, c, report=False), one(name, requests, c, report=False)
+            )
             for b, label in ((plain, BASELINE), (batch, name)):
                 b.waited_s = turnstile.waited(gates[label], b.started_s, b.started_s + b.wall_s)
+                done(label, b)
             batch.before = batch.after = plain
 
         for round_index in range(max(rounds_at(cfg, c) for c in cfg.concurrency)):
