@@ -14,6 +14,8 @@ from draftsmith.core.adaptive import (
     HOLD_DRIFT,
     HOLD_STEPS,
     PROBE_AFTER,
+    PROBE_BACKOFF,
+    PROBE_BACKOFF_MAX,
     PROBE_BUDGET,
     REALIZED_PRIOR,
     SPECULATE_MARGIN,
@@ -298,8 +300,37 @@ def test_probes_spend_at_most_the_budget_of_plain_time():
     assert policy.start_s_per_position == pytest.approx(start_s / positions)
     gaps = [b - a for a, b in zip(probes, probes[1:])]
     probe = modelled + 0.002 + start_s  # as measured: verify 2 ms dearer, and the start
-    assert len(probes) >= 3 and min(gaps) * plain_step * PROBE_BUDGET == pytest.approx(probe, abs=5e-4)
+    budgets = [PROBE_BUDGET * PROBE_BACKOFF ** min(i + 1, PROBE_BACKOFF_MAX) for i in range(len(gaps))]
+    assert len(probes) >= 5  # the budget halves per unanswered probe, to its floor
+    spent = [gap * plain_step * budget for gap, budget in zip(gaps, budgets)]  # each gap's plain time x its budget
+    assert spent == pytest.approx([probe] * len(gaps), abs=5e-4)
     assert extra_s <= PROBE_BUDGET * plain_s + probe  # the budget, give or take the probe in flight
+
+
+def test_a_step_that_drafts_for_the_batch_restores_the_probe_budget():
+    """Each probe since the last step that drafted for the batch halves the budget (PROBE_BACKOFF), at most
+    PROBE_BACKOFF_MAX times: where probes keep finding that drafting loses, exploring costs less and less of plain
+    decoding; once the prices choose drafting again, the next probes are as frequent as at first."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=3.0, draft_ms=5.0), 8)
+    trained(policy, 0.1)
+    assert policy.probe_budget == PROBE_BUDGET
+    budgets = []
+    for _ in range(20000):
+        choice = policy.choose([(None, 8)])
+        if choice.probe:
+            policy.observe_step(1, 1 + choice.k, 1, choice.k, 0.02, 0.005)
+            policy.observe(None, choice.k, 0)  # rejected: drafting still loses
+            budgets.append(policy.probe_budget)
+        else:
+            policy.observe_step(1, 1, 0, 0, 0.013, 0.0)
+    floor = PROBE_BUDGET * PROBE_BACKOFF**PROBE_BACKOFF_MAX
+    halved = [PROBE_BUDGET * PROBE_BACKOFF ** (i + 1) for i in range(PROBE_BACKOFF_MAX)]
+    assert budgets[:PROBE_BACKOFF_MAX] == pytest.approx(halved)
+    assert len(budgets) > PROBE_BACKOFF_MAX
+    assert budgets[PROBE_BACKOFF_MAX:] == pytest.approx([floor] * (len(budgets) - PROBE_BACKOFF_MAX))
+    trained(policy, 0.95)  # the text got easy: the prices draft for the batch
+    choice = policy.choose([(None, 8)])
+    assert choice.k > 0 and not choice.probe and policy.probe_budget == PROBE_BUDGET
 
 
 def test_measured_step_costs_rescale_the_model():
@@ -376,6 +407,19 @@ def test_plain_steps_return_the_policys_optimism_towards_one():
         plain_steps += 1
         assert plain_steps < 200, "the policy's optimism never recovers from a dip while plain"
     assert policy.realized > low and plain_steps >= 5
+
+
+def test_a_probes_outcome_does_not_move_the_policys_optimism():
+    """``realized`` corrects steps taken because their estimates read high; a probe is taken when they read low, so a
+    lucky probe (every draft accepted) leaves it where it was, while the rates learn from it as from any step."""
+    policy = AdaptivePolicy(flat_cost(per_token_ms=3.0, draft_ms=5.0), 8)
+    trained(policy, 0.1)
+    before, rate = policy.realized, policy.rates(None)[0]
+    while not (choice := policy.choose([(None, 8)])).probe:
+        policy.observe_step(1, 1, 0, 0, 0.013, 0.0)
+    policy.observe(None, choice.k, choice.k)  # all accepted
+    policy.observe_step(1, 1 + choice.k, 1, choice.k, 0.015 + 0.003 * choice.k, 0.005 * choice.k)
+    assert policy.realized == before and policy.rates(None)[0] > rate
 
 
 def test_the_drafters_confidence_is_calibrated_per_bin():

@@ -125,6 +125,15 @@ speculation does not pay, auto loses at most ~PROBE_BUDGET to exploring, at any 
 budget is 1%: with the decoder's own bookkeeping, ~1% of a plain step at B = 8 on the reference target, a batch
 that never drafts stays within 2-3% of plain decoding, inside the "never slower than plain" bar's 3%.)
 
+A probe that finds drafting still losing is evidence that it keeps losing, so each probe since the last step that
+drafted for the batch halves the budget (``PROBE_BACKOFF``), at most ``PROBE_BACKOFF_MAX`` times (to 1/8 of it); a
+step whose prices choose drafting restores it. Where speculation never pays (the batch too large for drafting on
+this machine), exploring then costs ~0.125% of plain decoding, not 1%; where the text turns easy, the first probe
+after it is up to 8x later than at the full budget, and any change that the prices see at once (a smaller batch,
+a new request starting at the engine's rates) needs no probe. Measured in a closed batch of 32 rows (EAGLE-3 on
+code-complete, ``bench/adaptive_closed.py --interleave``, 2-core AMD EPYC): at the full budget auto probed 25 of
+485 steps and read 0.973x plain (its machinery forced plain: 0.986x); with the backoff, 2 of 503 and 0.988x (0.978x).
+
 Pricing a step is pure Python over every row and every k (~0.12 ms at B = 8, ~0.3 ms at B = 32 with each request's
 own rates, 2-core AMD EPYC), 1-2% of a plain step on the reference target, paid where auto drafts nothing as well.
 So a priced plain step that follows a plain step holds the next steps of the same rows (the same requests'
@@ -138,7 +147,9 @@ a median of 0.2% and a 90th percentile of 1%; its rare larger moves came where a
 (the caps are in the hold's key) and at the first plain step after a drafting one (a drafting step's observations,
 a row's confidence unknown once its positions wait: a hold starts only after two plain steps). Any change in the
 batch prices the next step at once. The policy's time at a held plain step (choosing, observing every row, the
-step's costs) is 14 us at B = 8 and 36 us at B = 32, against 116 and 293 us priced. (Holding only where plain won by
+step's costs) is 8 us at B = 8 and 16 us at B = 32, against ~110 and ~320 us priced (14 and 39 us before a plain
+step's ageing of each request became a count, applied when its rates are next read: ``AcceptanceEstimate.age``;
+2-core AMD EPYC). (Holding only where plain won by
 20% or more left DFlash on code-complete at 8 rows, whose best k priced at a median 0.90 of plain's, priced at every
 step: auto's machinery with every choice forced to plain read 0.977x plain in a closed batch, 0.989x with the pricing
 taken out.)
@@ -173,7 +184,11 @@ steps age those sums too (each decays them once, as a drafting step does), so ``
 nothing is drafted: at concurrency 1 a drafting step expects only ~2-4 drafts, so a few hard steps in a row pulled
 ``realized`` down (0.73-1.25 within one EAGLE-3 docstring batch) and, as plain steps left it where it was, only the
 1%-budget probes could lift it while auto stayed plain (the request's own rates, which saw the same rejections,
-already return by ageing).
+already return by ageing). A probe's outcome stays out of those sums: ``realized`` corrects the bias of steps taken
+because their estimates read high, and a probe is taken because plain priced higher, when the estimates read low, so
+its outcome is biased the other way. Counted, one lucky probe lifted ``realized`` above 1 (1.28-1.45) and the next
+step drafted for the whole batch on it: DFlash on code-complete, 4 rows left in a closed batch of 8, each such step
+starting 3 drafters (6-7 ms) and emitting 7 tokens where plain steps emit 4 in ~16 ms.
 
 The cost model is measured once, on a context of fixed length and maybe on a busier (or idler) machine than now;
 so every step's measured seconds update scales that multiply the model's costs (``AdaptivePolicy.observe_step``:
@@ -214,6 +229,8 @@ PROBE_AFTER = 8  #: fewest plain steps in a row before a probe
 HOLD_DRIFT = 0.02  #: the most a batch's best-k ÷ plain tokens/s is assumed to move per plain step (module docstring)
 HOLD_STEPS = 8  #: most plain steps held without pricing, while the rows, their caps, the batch size and queue stay
 PROBE_BUDGET = 0.01  #: probes cost at most this fraction of the plain decoding time since the last probe
+PROBE_BACKOFF = 0.5  #: the budget's factor per probe since the last step that drafted for the batch (module docstring)
+PROBE_BACKOFF_MAX = 3  #: most such factors: the budget falls to PROBE_BUDGET x PROBE_BACKOFF^3 at least
 CONFIDENCE_BINS = 10  #: equal-width bins of the drafter's confidence in [0, 1]
 SCALE_WEIGHT = 0.05  #: weight of one step's measured ÷ predicted cost in the scales
 SCALE_RANGE = (0.25, 4.0)  #: the scales stay within this
@@ -395,23 +412,33 @@ class AcceptanceEstimate:
         self.drafted = 0  #: tokens its drafting steps emitted since its drafter started
         self.resuming = False  #: at this step's choice its drafter had positions to catch up on (plain steps')
         self.run: int | None = None  #: tokens emitted by its drafting run since it resumed (None: no such run)
+        self._aged = 0  # plain steps whose decay the counts have not had yet (``age``)
 
     def observe(self, num_proposed: int, num_accepted: int) -> None:
         """One verify step that drafted ``num_proposed`` positions along its path and accepted ``num_accepted``."""
+        self._settle()
         for i in range(min(num_accepted + 1, num_proposed, len(self.tried))):
             self.tried[i] = self.decay * self.tried[i] + 1.0
             self.accepted[i] = self.decay * self.accepted[i] + float(i < num_accepted)
 
     def age(self) -> None:
         """One step that drafted nothing: every count decays once, so what the estimate saw grows old with the
-        text (module docstring: a request's plain steps)."""
-        self.tried = [self.decay * t for t in self.tried]
-        self.accepted = [self.decay * a for a in self.accepted]
+        text (module docstring: a request's plain steps). Kept as a count until the counts are read (``_settle``):
+        a plain step pays one increment per row, not a pass over every position."""
+        self._aged += 1
+
+    def _settle(self) -> None:
+        """Apply the decays of the plain steps counted by ``age`` since the counts were last read."""
+        if self._aged:
+            factor, self._aged = self.decay**self._aged, 0
+            self.tried = [factor * t for t in self.tried]
+            self.accepted = [factor * a for a in self.accepted]
 
     def rates(self, prior: Sequence[float] | None, strength: float) -> list[float]:
         """Posterior-mean conditional acceptance per position: (accepted + strength * prior) / (tried + strength);
         past the end of ``prior`` (None: from the first position) a position's prior is the rate found for the
         position before it (``FIRST_PRIOR`` for the first)."""
+        self._settle()
         out: list[float] = []
         for i, (a, t) in enumerate(zip(self.accepted, self.tried)):
             p = prior[i] if prior is not None and i < len(prior) else (out[-1] if out else FIRST_PRIOR)
@@ -476,6 +503,7 @@ class AdaptivePolicy:
         self._plain_run = 0
         self._plain_s = 0.0  # seconds of plain steps since the last probe (or drafting step)
         self._probe_cost: float | None = None  # a probe step's measured seconds beyond a plain step's
+        self._probes_unanswered = 0  # probes since the last step that drafted for the batch (``probe_budget``)
         self._probing = False  # the step being chosen / observed is a probe
         self._hold: tuple | None = None  # (steps left, its key: ``choose``, plain's tokens/s, a probe's cost)
         self.verify_scale = self.draft_scale = 1.0
@@ -609,13 +637,14 @@ class AdaptivePolicy:
             k_probe = min(k_probe, priced.caps[one])
             hold = self._hold_steps(rate_k / ((1 + SPECULATE_MARGIN) * rate), queued) if key is not None else 0
             probe_s = self.probe_cost(scored, one, k_probe) if hold or self._plain_run >= PROBE_AFTER else 0.0
-            if self._plain_run >= PROBE_AFTER and self._plain_s * PROBE_BUDGET >= probe_s:
+            if self._plain_run >= PROBE_AFTER and self._plain_s * self.probe_budget >= probe_s:
                 rate, k, probe = rate_k, k_probe, True  # learn again: one row drafts once at the best positive k
                 self._plain_run, self._plain_s = 0, 0.0
+                self._probes_unanswered += 1
             elif hold:
                 self._hold = (hold, key, rate, probe_s)
         elif k > 0:
-            self._plain_run, self._plain_s = 0, 0.0
+            self._plain_run, self._plain_s, self._probes_unanswered = 0, 0.0, 0
         self._probing = probe
         self.histogram[k] += 1
         chosen = (
@@ -629,7 +658,7 @@ class AdaptivePolicy:
                     row[0].start_left = priced.lefts[b]
         self._expected = self._expected_resumed = 0.0
         self._accepted = self._accepted_resumed = 0
-        for p, cap, count, _, _, resumed in chosen.groups if k else ():
+        for p, cap, count, _, _, resumed in chosen.groups if k and not probe else ():  # a probe: not in ``realized``
             if resumed:
                 self._expected_resumed += count * (p[min(k, cap)] - 1.0)
             else:
@@ -655,7 +684,7 @@ class AdaptivePolicy:
             return None
         steps, held, rate, probe_s = self._hold
         self._hold = None
-        if steps <= 0 or held != key or self._plain_s * PROBE_BUDGET >= probe_s:
+        if steps <= 0 or held != key or self._plain_s * self.probe_budget >= probe_s:
             return None
         self._hold = (steps - 1, held, rate, probe_s)
         self._plain_run += 1
@@ -718,6 +747,13 @@ class AdaptivePolicy:
         bucket = _bucket(b)
         scale = self.verify_scales.get((bucket, t))
         return scale if scale is not None else self.bucket_scales.get(bucket, self.verify_scale)
+
+    @property
+    def probe_budget(self) -> float:
+        """The fraction of plain decoding time probes may cost now: ``PROBE_BUDGET``, halved (``PROBE_BACKOFF``) per
+        probe since the last step that drafted for the batch, at most ``PROBE_BACKOFF_MAX`` times (module
+        docstring)."""
+        return PROBE_BUDGET * PROBE_BACKOFF ** min(self._probes_unanswered, PROBE_BACKOFF_MAX)
 
     def probe_cost(self, rows: Sequence[tuple], row: int, k: int) -> float:
         """Seconds a probe of ``k`` drafts in row ``row`` alone costs beyond a plain step: its verify and draft
