@@ -324,7 +324,7 @@ class _Logged:
     def __init__(self, inner):
         self.inner, self.proposed, self.started = inner, [], []
         self.needs_aux_hidden, self.needs_final_hidden = inner.needs_aux_hidden, inner.needs_final_hidden
-        self.free_catch_up = inner.free_catch_up
+        self.free_catch_up, self.has_confidence = inner.free_catch_up, inner.has_confidence
         self.accept, self.stop, self.name = inner.accept, inner.stop, inner.name
         self.confidence = inner.confidence
 
@@ -379,9 +379,9 @@ def test_deferred_accepts_draft_what_step_by_step_accepts_draft(served, monkeypa
 @pytest.mark.parametrize("name", NAMES)
 def test_a_run_of_plain_steps_costs_a_started_drafter_nothing(served, name):
     """Under a policy a started row's plain steps wait for its next draft (``START_LIMIT``, not ``PENDING_LIMIT``):
-    a row that drafts once, then runs plain past ``PENDING_LIMIT`` positions, calls ``accept`` once (its drafting
-    step's positions, before the next choice reads its confidence), not once more per ``PENDING_LIMIT`` (a free
-    catch-up excepted: it is kept current for its confidence)."""
+    a row that drafts once, then runs plain past ``PENDING_LIMIT`` positions, calls ``accept`` once if its drafter
+    has a confidence (its drafting step's positions, before the next choice reads it) and never if not, not once
+    more per ``PENDING_LIMIT`` (a free catch-up excepted: it is kept current for its confidence)."""
     import lossless
     from draftsmith.core import batch
 
@@ -396,7 +396,24 @@ def test_a_run_of_plain_steps_costs_a_started_drafter_nothing(served, name):
     decoder.add(BatchSequence(prompts[0], GenerationConfig(max_new_tokens=len(plan) + 1)))
     decoder.run()
     assert len(proposer.started) == 1
-    assert proposer.free_catch_up or len(accepted) == 1, f"{name}: plain steps flushed to a started drafter"
+    expected = 1 if proposer.has_confidence else 0
+    assert proposer.free_catch_up or len(accepted) == expected, f"{name}: plain steps flushed to a started drafter"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_a_drafter_says_whether_it_has_a_confidence(served, name):
+    """``has_confidence`` is True exactly when the drafter's ``confidence`` returns a value for a started, current
+    row: the decoder keeps a drafting row current for its confidence only then (``core.batch``)."""
+    model, tok, prompts, spec = served("tiny", name)
+    engine = Engine(model, tok, spec.with_k(3))
+    proposer = engine.drafter.new_batch_proposer()
+    decoder = BatchDecoder(engine.target, proposer, 3, max_num_seqs=1)
+    seq = decoder.add(BatchSequence(prompts[0], GenerationConfig(max_new_tokens=16)))
+    while not seq.started:
+        decoder.step()
+    decoder._flush([seq])
+    (confidence,) = proposer.confidence([seq.key])
+    assert (confidence is not None) == proposer.has_confidence, f"{name}: has_confidence says otherwise"
 
 
 @pytest.mark.parametrize("name", NAMES)

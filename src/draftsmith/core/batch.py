@@ -43,10 +43,13 @@ positions caught up rows that never drafted again: ~2% of the decode time of DFl
 where ``auto`` drafted in 10% of its steps). Until it starts, a row holds the target
 states its drafter will read (aux ``[T, 3H]`` for EAGLE-3 and DFlash, final ``[T, H]`` for the MLP speculator),
 where an eager start would hold the drafter's own cache of those positions instead (for a one-layer EAGLE-3 head,
-2/3 of that). With a policy,
-a row that drafted in its last step is brought up to date before the choice, so that the drafter's confidence in
-its next draft (``BatchProposer.confidence``) can inform it; with a proposer whose catch-up is free
-(``free_catch_up``: n-gram lookup, no forward) every row is, started or not.
+2/3 of that). With a policy and
+a proposer that has a confidence (``has_confidence``: an EAGLE-3 head's top probability), a row that drafted in its
+last step is brought up to date before the choice, so that the drafter's confidence in its next draft
+(``BatchProposer.confidence``) can inform it; with a proposer whose catch-up is free (``free_catch_up``: n-gram
+lookup, no forward) every row is, started or not. Other proposers keep such a row's positions waiting until it
+drafts again, as after a plain step (an accept at each plain step that followed a drafting one cost DFlash
+~2 ms at 4 rows, in the drain of a closed batch of 8 where auto drafted single steps).
 
 With a ``tree`` (``core.tree.TreeShape``) each running row drafts a tree instead (``BatchProposer.propose_tree``):
 the verify forward reads [last token_b, its nodes] with ancestor-only attention (``BatchKVCache.begin``), each row
@@ -290,6 +293,7 @@ class BatchDecoder:
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.final_hidden = bool(proposer is not None and proposer.needs_final_hidden)
         self.free_catch_up = bool(getattr(proposer, "free_catch_up", False))  # ``Proposer.free_catch_up``
+        self.has_confidence = bool(getattr(proposer, "has_confidence", False))  # ``Proposer.has_confidence``
         self.cache = BatchKVCache(target.model.config)
         self._start_s, self._start_positions = 0.0, 0  # drafter starts in the current step: seconds, positions
         self._mark: float | None = None  # when the last decode ended (None: idle since)
@@ -522,12 +526,13 @@ class BatchDecoder:
         self._prefill_s = 0.0
         if self.policy is not None:
             free = self.free_catch_up  # every row current, so every row's confidence is known
-            self._flush([s for s in rows if s.drafted_last or free])  # confidence needs the drafter's state current
-            confidence = self._confidence(rows)
+            if free or self.has_confidence:  # confidence needs the drafter's state current
+                self._flush([s for s in rows if s.drafted_last or free])
+            confidence = self._confidence(rows) if self.has_confidence else [None] * len(rows)
             soon = min(self.max_num_seqs, len(rows) + len(self.waiting))  # the batch once the waiting have joined
             starts = [0 if s.started else len(s.prompt) + len(s.tokens) - 1 for s in rows]  # positions to read
             lefts = [s.cfg.max_new_tokens - len(s.tokens) for s in rows]  # what a start is spread over
-            catches = [s.pending_positions if s.started else 0 for s in rows]  # left by plain steps
+            catches = [s.pending_positions if s.started and not s.drafted_last else 0 for s in rows]  # plain steps'
             choice = self.policy.choose(
                 [(s.estimate, *row) for s, *row in zip(rows, caps, confidence, starts, lefts, catches)],
                 batch_size=soon,
@@ -541,8 +546,9 @@ class BatchDecoder:
         drafting = [b for b, k in enumerate(ks) if k > 0] if self.proposer is not None else []
         catch_up_s, catch_up = 0.0, [catches[b] for b in drafting if catches[b] > 0]  # rows resuming after plain steps
         if drafting:
+            self._flush([rows[b] for b in drafting if rows[b].drafted_last])  # a run going on: its drafts' time
             ta, starts_before = time.perf_counter(), self._start_s
-            self._flush([rows[b] for b in drafting])
+            self._flush([rows[b] for b in drafting])  # starts and catch-ups
             catch_up_s = time.perf_counter() - ta - (self._start_s - starts_before)
             keys, wanted = [rows[b].key for b in drafting], [ks[b] for b in drafting]
             if self.tree is not None:
@@ -641,10 +647,15 @@ class BatchDecoder:
         """Keep each row's verified positions (rows 0..n of ``step``, a chain's layout) for its next ``accept``;
         rows with ``PENDING_LIMIT`` positions waiting (``START_LIMIT`` before their drafter started, or with a
         policy) are flushed now."""
-        for b, (seq, n, out) in enumerate(zip(rows, ns, emitted)):
-            aux = step.aux_hidden[b, : n + 1] if step.aux_hidden is not None else None
-            final = step.final_hidden[b, : n + 1] if step.final_hidden is not None else None
-            seq.pending.append((out[: n + 1], aux, final))
+        none = (None,) * len(rows)  # one view per row in one call each (a plain step's rows are its whole width)
+        auxes = step.aux_hidden.unbind(0) if step.aux_hidden is not None else none
+        finals = step.final_hidden.unbind(0) if step.final_hidden is not None else none
+        for seq, n, out, aux, final in zip(rows, ns, emitted, auxes, finals):
+            if aux is not None and aux.shape[0] > n + 1:
+                aux = aux[: n + 1]
+            if final is not None and final.shape[0] > n + 1:
+                final = final[: n + 1]
+            seq.pending.append((out if out.numel() == n + 1 else out[: n + 1], aux, final))
             seq.pending_positions += n + 1
         full = [
             s for s in rows if s.pending_positions >= (PENDING_LIMIT if s.started and not self.policy else START_LIMIT)

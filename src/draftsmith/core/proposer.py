@@ -126,11 +126,15 @@ class Proposer(abc.ABC):
         free_catch_up: True when ``start`` and ``accept`` cost next to nothing (no forward: n-gram lookup), so
             the batched decoder brings every row up to date before each adaptive choice and the drafter's
             ``confidence`` is known for every row (``core.batch``); False: rows catch up lazily.
+        has_confidence: True when ``confidence`` can return a value (the default returns None): the batched
+            decoder then brings a row that drafted in its last step up to date before each adaptive choice, so
+            that its confidence informs it; False: such a row's positions wait, as after a plain step.
     """
 
     needs_aux_hidden: bool = False
     needs_final_hidden: bool = False
     free_catch_up: bool = False
+    has_confidence: bool = False
 
     def start(self, prompt_ids: torch.Tensor, first_token: int, target_step) -> None:
         """Begin a sequence: context = ``prompt_ids`` ``[T]`` + ``first_token``; ``target_step`` is the
@@ -168,12 +172,13 @@ class BatchProposer(abc.ABC):
     between steps. Lists passed to ``propose`` / ``accept`` are in batch order: entry b is row b of the step.
 
     Attributes:
-        needs_aux_hidden, needs_final_hidden, free_catch_up: as ``Proposer``'s.
+        needs_aux_hidden, needs_final_hidden, free_catch_up, has_confidence: as ``Proposer``'s.
     """
 
     needs_aux_hidden: bool = False
     needs_final_hidden: bool = False
     free_catch_up: bool = False
+    has_confidence: bool = False
 
     @property
     def name(self) -> str:
@@ -221,7 +226,8 @@ class PerSequence(BatchProposer):
 
     Args:
         factory: ``Sampling -> Proposer`` (``LoadedDrafter.new_proposer``).
-        needs_aux_hidden, needs_final_hidden, free_catch_up: as its proposers' (``Proposer`` attributes).
+        needs_aux_hidden, needs_final_hidden, free_catch_up, has_confidence: as its proposers' (``Proposer``
+            attributes).
     """
 
     def __init__(
@@ -231,10 +237,11 @@ class PerSequence(BatchProposer):
         needs_aux_hidden: bool = False,
         needs_final_hidden: bool = False,
         free_catch_up: bool = False,
+        has_confidence: bool = False,
     ):
         self.factory = factory
         self.needs_aux_hidden, self.needs_final_hidden = needs_aux_hidden, needs_final_hidden
-        self.free_catch_up = free_catch_up
+        self.free_catch_up, self.has_confidence = free_catch_up, has_confidence
         self.rows: dict[int, Proposer] = {}
 
     @classmethod
@@ -276,9 +283,11 @@ class PerSequence(BatchProposer):
 
 
 def _reads(proposer: Proposer) -> dict:
-    """A proposer's ``PerSequence`` flags (what it reads, whether its catch-up is free)."""
+    """A proposer's ``PerSequence`` flags (what it reads, whether its catch-up is free, whether it has a
+    confidence)."""
     return {
         "needs_aux_hidden": proposer.needs_aux_hidden,
         "needs_final_hidden": proposer.needs_final_hidden,
         "free_catch_up": proposer.free_catch_up,
+        "has_confidence": proposer.has_confidence,
     }

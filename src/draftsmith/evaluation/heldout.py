@@ -67,6 +67,7 @@ class TimedProposer(BatchProposer):
     def __init__(self, inner: BatchProposer):
         self.inner, self.seconds = inner, 0.0
         self.needs_aux_hidden, self.needs_final_hidden = inner.needs_aux_hidden, inner.needs_final_hidden
+        self.free_catch_up, self.has_confidence = inner.free_catch_up, inner.has_confidence
 
     def _timed(self, fn, *args):
         t0 = time.perf_counter()

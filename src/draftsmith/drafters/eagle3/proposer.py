@@ -94,6 +94,7 @@ class Eagle3Proposer(Proposer):
     """
 
     needs_aux_hidden = True
+    has_confidence = True
 
     def __init__(
         self,
@@ -204,6 +205,7 @@ class BatchEagle3Proposer(BatchProposer):
     """
 
     needs_aux_hidden = True
+    has_confidence = True
 
     def __init__(self, head: Eagle3Head):
         self.head = head.eval()

@@ -110,6 +110,7 @@ class NgramProposer(Proposer):
         self.index.append(prompt_ids.tolist() + [int(first_token)])
 
     free_catch_up = True
+    has_confidence = True
 
     def confidence(self) -> float:
         """The suffix match's length over ``prompt_lookup_max`` in [0, 1] (class docstring)."""
