@@ -405,8 +405,8 @@ class AcceptanceEstimate:
 
     def __init__(self, k_max: int, decay: float):
         self.decay = decay
-        self.tried = [0.0] * k_max
-        self.accepted = [0.0] * k_max
+        self.tried = [0.0] * k_max  # decayed counts per position, before the ageing ``_aged`` holds (``rates``
+        self.accepted = [0.0] * k_max  # and ``observe`` apply it first)
         self.confidence: float | None = None  #: the drafter's confidence at this step's choice (a request's)
         self.start_left: int | None = None  #: tokens it could still emit when its drafter started (None: not yet)
         self.drafted = 0  #: tokens its drafting steps emitted since its drafter started

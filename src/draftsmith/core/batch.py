@@ -528,7 +528,7 @@ class BatchDecoder:
             free = self.free_catch_up  # every row current, so every row's confidence is known
             if free or self.has_confidence:  # confidence needs the drafter's state current
                 self._flush([s for s in rows if s.drafted_last or free])
-            confidence = self._confidence(rows) if self.has_confidence else [None] * len(rows)
+            confidence = self._confidence(rows)
             soon = min(self.max_num_seqs, len(rows) + len(self.waiting))  # the batch once the waiting have joined
             starts = [0 if s.started else len(s.prompt) + len(s.tokens) - 1 for s in rows]  # positions to read
             lefts = [s.cfg.max_new_tokens - len(s.tokens) for s in rows]  # what a start is spread over
@@ -635,10 +635,13 @@ class BatchDecoder:
 
     def _confidence(self, rows: list[BatchSequence]) -> list[float | None]:
         """The proposer's confidence in each row's next draft (``BatchProposer.confidence``); None for rows whose
-        positions wait for a deferred accept or start (their drafter has not read them)."""
-        ready = [b for b, s in enumerate(rows) if s.started and not s.pending]
+        positions wait for a deferred accept or start (their drafter has not read them), and for every row when the
+        proposer has none (``has_confidence``)."""
         out: list[float | None] = [None] * len(rows)
-        if ready and hasattr(self.proposer, "confidence"):
+        if not self.has_confidence:
+            return out
+        ready = [b for b, s in enumerate(rows) if s.started and not s.pending]
+        if ready:
             for b, c in zip(ready, self.proposer.confidence([rows[b].key for b in ready])):
                 out[b] = c
         return out
